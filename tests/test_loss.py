@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from loss import group_advantages, grpo_loss
+
+
+def test_group_advantages_mean_and_std():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0]), 2)
+    assert adv.tolist() == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+    adv = group_advantages(torch.tensor([1.0, 0.0]), 2, norm_std=True)
+    assert adv.tolist() == pytest.approx([0.5 / 0.5**0.5, -0.5 / 0.5**0.5], rel=1e-5)  # std of [1, 0] = sqrt(0.5)
+
+
+def one_token(adv, ratio, **kw):
+    """A single completion token with the given advantage and pi_theta / pi_behav ratio -> (loss, dloss/dlogp, stats)."""
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    behav = torch.tensor([[-torch.log(torch.tensor(ratio)).item()]])
+    loss, stats = grpo_loss(logp, behav, torch.tensor([adv]), torch.ones(1, 1), 1.0, **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), stats
+
+
+@pytest.mark.parametrize("adv, ratio, want_loss, want_grad, clipped", [
+    (1.0, 1.1, -1.1, -1.1, 0),    # inside the clip: -A * rho, gradient -A * rho
+    (1.0, 1.5, -1.28, 0.0, 1),    # above 1 + eps_high with A > 0: clipped, no gradient
+    (1.0, 0.5, -0.5, -0.5, 0),    # below 1 - eps_low with A > 0: the unclipped term is the max, keeps its gradient
+    (-1.0, 0.5, 0.8, 0.0, 1),     # below 1 - eps_low with A < 0: clipped, no gradient
+    (-1.0, 2.0, 2.0, 2.0, 0),     # above the clip with A < 0 but under the cap: the full weight
+    (-1.0, 5.0, 3.0, 0.0, 1),     # above tis_cap with A < 0: truncated at the cap, no gradient
+    (0.0, 1.7, 0.0, 0.0, 0),      # zero advantage: nothing
+])
+def test_clipping_and_truncation(adv, ratio, want_loss, want_grad, clipped):
+    loss, grad, stats = one_token(adv, ratio, eps_low=0.2, eps_high=0.28, tis_cap=3.0)
+    assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    assert grad == pytest.approx(want_grad, rel=1e-5, abs=1e-6)
+    assert stats["clipped"] == clipped
+
+
+def test_token_level_normalisation():
+    # two sequences, 1 and 3 completion tokens, every ratio 1: the loss is the mean over the 4 tokens (-(1 + 3*-1)/4),
+    # not the mean of per-sequence means (which would be 0)
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, stats = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask, n_tokens=4.0)
+    assert loss.item() == pytest.approx(0.5)
+    loss.backward()
+    assert logp.grad.tolist() == [[-0.25, 0.0, 0.0], [0.25, 0.25, 0.25]]  # padding gets no gradient
+    assert stats["tokens"] == 4
+
+
+def test_micro_batches_add_up_to_the_batch_mean():
+    torch.manual_seed(0)
+    logp, behav = torch.randn(4, 5) * 0.1, torch.randn(4, 5) * 0.1
+    mask = (torch.rand(4, 5) > 0.3).float()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    n = mask.sum()
+    whole, _ = grpo_loss(logp, behav, adv, mask, n)
+    parts = sum(grpo_loss(logp[i:i + 2], behav[i:i + 2], adv[i:i + 2], mask[i:i + 2], n)[0] for i in (0, 2))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
+    logp = torch.tensor([[-1.0, -2.0]])
+    args = dict(behav_logp=logp.clone(), adv=torch.zeros(1), mask=torch.ones(1, 2), n_tokens=2.0, kl_coef=0.5)
+    assert grpo_loss(logp, ref_logp=logp.clone(), **args)[0].item() == pytest.approx(0.0)
+    d = -0.3  # k3 = exp(d) - d - 1 per token
+    assert grpo_loss(logp, ref_logp=logp + d, **args)[0].item() == pytest.approx(0.5 * (torch.exp(torch.tensor(d)) - d - 1).item())

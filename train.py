@@ -1,0 +1,327 @@
+"""
+train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value ...]`
+(`python train.py ...` is the same as N = 1).
+
+N trainer ranks shard the policy with FSDP2 (one code path for 1 or many ranks, CPU/gloo or GPU/NCCL). Rank 0 starts
+one extra process, rollout.py, which owns vLLM and generates all the time. Per optimizer step, the loop below:
+  1. takes a batch of groups from the buffer (the only place it ever waits for generation),
+  2. computes the staleness-clipped GRPO loss (loss.py) in micro-batches and steps the optimizer,
+  3. pushes the new weights to the rollout process (sync.py), which loads them between two engine steps,
+  4. logs one line and one JSON object to {out_dir}/metrics.jsonl.
+Version k = the weights after k optimizer steps; batch k is trained at version k.
+
+Simplifications: one optimizer step per batch; AdamW at a constant learning rate; right-padded micro-batches of
+`micro_batch_size` sequences; the trainer recomputes logprobs with the same temperature the sampler used
+(log_softmax(logits / T)), which is the distribution vLLM reports with logprobs_mode="processed_logprobs".
+"""
+import ast
+import difflib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+# -----------------------------------------------------------------------------------------------------------------
+# default config; config/*.py files and --key=value override these (and only these) keys
+model = "data/tiny"  # a Hugging Face model folder (see prepare.py for the offline ones)
+task = "arithmetic"  # arithmetic | gsm8k (reward.py)
+data_path = ""  # gsm8k: a jsonl file of {"question", "answer"}, or a hub dataset id where online
+eval_path = ""  # gsm8k: held-out jsonl; empty = hold out eval_n training problems
+out_dir = "out"
+seed = 1337
+max_steps = 20  # optimizer steps (= policy versions)
+batch_groups = 8  # prompt groups per optimizer step (split over trainer ranks)
+group_size = 8  # completions per prompt
+max_new_tokens = 64
+temperature = 1.0  # sampling temperature; the trainer's logprobs use the same one
+lr = 1e-5
+weight_decay = 0.0
+grad_clip = 1.0
+micro_batch_size = 8  # sequences per forward/backward
+max_staleness = 1  # eta: a sample's oldest token may be at most this many versions old; 0 = synchronous
+drop_flat = True  # discard groups whose rewards are all equal (zero advantage, no signal)
+adv_norm_std = False  # divide advantages by the group's reward std
+eps_low = 0.2  # PPO clip below 1
+eps_high = 0.28  # PPO clip above 1 (asymmetric: room for unlikely tokens to grow)
+tis_cap = 3.0  # importance weight cap for negative advantages (dual clip)
+kl_coef = 0.0  # KL(pi || reference) penalty; 0 = no reference model at all
+eval_every = 5  # greedy held-out eval every this many versions (and at the start and end); 0 = off
+eval_n = 100  # held-out problems, never trained on
+rollout_groups = 32  # most prompt groups in flight in vLLM at once
+rollout_dtype = "float32"  # vLLM weights and compute
+trainer_dtype = "float32"  # FSDP2 compute dtype (master weights and gradient reduction stay float32)
+max_model_len = 512
+kv_cache_gb = 1  # vLLM KV cache on CPU (GiB)
+gpu_memory_utilization = 0.5  # vLLM share of its GPU
+enforce_eager = True  # no CUDA graphs / compilation in vLLM (start-up seconds instead of minutes)
+bucket_mb = 64  # weight broadcast bucket size
+rollout_host = "127.0.0.1"  # where trainer rank 0 hosts the trainer<->rollout store
+rollout_port = 29600
+timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
+reward_timeout_s = 5.0
+# -----------------------------------------------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+
+
+def die(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(key, value, origin):
+    if key not in config_keys:
+        near = difflib.get_close_matches(key, config_keys, n=1)
+        die(f"unknown config key {key!r} in {origin}" + (f"; did you mean {near[0]!r}?" if near else ""))
+    want = type(globals()[key])
+    if want is float and type(value) is int:
+        value = float(value)
+    if type(value) is not want:
+        die(f"config key {key!r} in {origin} must be {want.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def parse_config(argv):
+    cfg = {}
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                die(f"{arg!r} has no value: write --{key}=VALUE")
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text  # a bare string, e.g. --model=data/tiny
+            cfg[key] = check(key, value, arg)
+        else:
+            if not os.path.isfile(arg):
+                die(f"config file {arg!r} not found (configs live in config/, e.g. config/tiny.py)")
+            scope = {}
+            exec(open(arg).read(), scope)
+            for key, value in scope.items():
+                if not key.startswith("__"):
+                    cfg[key] = check(key, value, arg)
+    return cfg
+
+
+globals().update(parse_config(sys.argv[1:]))
+config = {k: globals()[k] for k in config_keys}
+# -----------------------------------------------------------------------------------------------------------------
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import buffer as buf
+import loss as L
+import sync
+
+for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+    os.environ.setdefault(k, v)  # plain `python train.py` = one rank
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+device = f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu"
+if batch_groups % world:
+    die(f"batch_groups={batch_groups} is not divisible by the {world} trainer ranks: use a multiple of {world}")
+if max_staleness < 0:
+    die(f"max_staleness={max_staleness} must be >= 0 (0 = synchronous)")
+if not os.path.isfile(os.path.join(model, "config.json")):
+    die(f"model {model!r} is not a Hugging Face model folder (no config.json); `python prepare.py tiny|smollm2` makes one")
+if device != "cpu":
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if device != "cpu" else "gloo", device_id=torch.device(device) if device != "cpu" else None)
+torch.manual_seed(seed)
+master = rank == 0
+
+# the policy: FSDP2 per decoder layer, then the root (embeddings, norm, head)
+policy = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).to(device)
+mp = MixedPrecisionPolicy(param_dtype=getattr(torch, trainer_dtype), reduce_dtype=torch.float32)
+for layer in policy.model.layers:
+    fully_shard(layer, mp_policy=mp)
+fully_shard(policy, mp_policy=mp)
+optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+reference = None
+if kl_coef > 0:
+    reference = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).to(device).eval()
+    reference.requires_grad_(False)
+# HF names and full shapes, in a fixed order; includes lm_head.weight even when tied (vLLM wants it)
+meta = [(name, tuple(p.shape)) for name, p in policy.state_dict().items()]
+buckets = sync.plan_buckets(meta, bucket_mb, getattr(torch, rollout_dtype))
+
+
+def full_weights():
+    for name, p in policy.state_dict().items():
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p)  # a collective on every rank
+
+
+def token_logprobs(net, batch):
+    """Logprobs of the completion tokens under net, at the sampling temperature. batch: list of
+    (prompt_ids, completion_ids). Prompts are left-padded and completions right-padded, so every row's completion
+    starts at the same column and only those columns go through the output layer."""
+    P = max(len(p) for p, _ in batch)
+    T = max(len(c) for _, c in batch)
+    ids = torch.zeros(len(batch), P + T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(batch):
+        ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        mask[i, P - len(p):P + len(c)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = net(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1].float()
+    logits = logits / temperature
+    target = ids[:, P:]
+    logp = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    return logp, mask[:, P:]
+
+
+def pad(rows, width):
+    return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], device=device)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+if master:
+    import rollout  # noqa: F401  (fail here, not in the child, if the rollout module is broken)
+    os.makedirs(out_dir, exist_ok=True)
+    json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)  # config.json is the model's
+    env = {k: v for k, v in os.environ.items()  # vLLM must not mistake itself for a torchrun rank
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "OMP_NUM_THREADS")
+           and not k.startswith("TORCHELASTIC")}
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout.py"),
+                             json.dumps(config)], env=env)
+
+    def check_alive():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the rollout process (pid {proc.pid}) exited with code {proc.returncode}; "
+                               "its own error is printed above")
+
+    ctl, traj, store = sync.connect(rollout_host, rollout_port, 0, device, timeout_s)
+    sync.send_obj(ctl, meta, 1, device)
+    discarded = 0
+
+    def on_discard(n):  # tell the rollout process a group was discarded, so it can admit a replacement
+        global discarded
+        discarded += n
+        sync.send_header(ctl, version, discarded, device=device)
+
+    buffer = buf.Buffer(max_staleness, drop_flat, on_discard)
+    evals, rollout_stats = [], {}
+
+    def receive():  # trajectories and eval results from the rollout process
+        try:
+            while True:
+                msg = sync.recv_obj(traj, 1, device)
+                rollout_stats.update({k: msg[k] for k in ("reward_failed", "skipped_long") if k in msg})
+                if msg["kind"] == "group":
+                    buffer.put(msg)
+                elif msg["kind"] == "eval":
+                    evals.append(msg)
+                elif msg["kind"] == "bye":
+                    return
+        except Exception as e:
+            buffer.fail(f"lost the rollout process: {e}")
+
+    threading.Thread(target=receive, daemon=True).start()
+    log = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+
+    def log_eval(e):
+        print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} (n={e['eval_n']})", flush=True)
+        log.write(json.dumps({"step": e["version"], "version": e["version"], "eval_accuracy": e["eval_accuracy"],
+                              "eval_n": e["eval_n"], "elapsed_s": time.perf_counter() - t_start}) + "\n")
+
+samples = gen_tokens = 0
+t_start = time.perf_counter()
+try:
+    for step in range(max_steps):
+        version = step
+        # ---- 1. a batch: generated by the rollout process while we trained the previous one ----
+        t0 = time.perf_counter()
+        if master:
+            groups, t_wait = buffer.get(version, batch_groups, check_alive)
+            shards = buf.split(groups, world)
+        else:
+            shards = None
+        box = [shards]
+        dist.broadcast_object_list(box, src=0)
+        mine = box[0][rank]
+        t_wait = time.perf_counter() - t0 if not master else t_wait
+        # ---- 2. loss and one optimizer step ----
+        t0 = time.perf_counter()
+        rows = [(g["prompt_ids"], c["ids"], c["logprobs"], a)
+                for g in mine
+                for c, a in zip(g["completions"],
+                                L.group_advantages(torch.tensor([c["reward"] for c in g["completions"]]),
+                                                   len(g["completions"]), adv_norm_std).tolist())]
+        n_tok = torch.tensor([float(sum(len(r[1]) for r in rows))], device=device)
+        dist.all_reduce(n_tok)
+        sums = torch.zeros(4, device=device)  # loss, clipped tokens, |log ratio| sum, tokens
+        for i in range(0, len(rows), micro_batch_size):
+            mb = rows[i:i + micro_batch_size]
+            policy.set_requires_gradient_sync(i + micro_batch_size >= len(rows))
+            logp, mask = token_logprobs(policy, [(r[0], r[1]) for r in mb])
+            behav = pad([r[2] for r in mb], logp.shape[1])
+            adv = torch.tensor([r[3] for r in mb], device=device)
+            ref_logp = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref_logp, _ = token_logprobs(reference, [(r[0], r[1]) for r in mb])
+            loss, st = L.grpo_loss(logp, behav, adv, mask, n_tok, eps_low, eps_high, tis_cap, ref_logp, kl_coef)
+            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global token mean
+            sums += torch.tensor([loss.item(), st["clipped"], st["abs_log_ratio"], st["tokens"]], device=device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(sums)
+        t_train = time.perf_counter() - t0
+        version = step + 1
+        # ---- 3. new weights to the rollout process, which loads them without stopping generation ----
+        t0 = time.perf_counter()
+        if master:
+            sync.send_header(ctl, version, discarded, has_weights=True, device=device)
+        sync.send_weights(ctl if master else None, full_weights(), buckets, getattr(torch, rollout_dtype), device)
+        t_sync = time.perf_counter() - t0
+        # ---- 4. log ----
+        if master:
+            comps = [(g, c) for g in groups for c in g["completions"]]
+            stale = [step - c["version_min"] for g, c in comps]
+            samples += len(comps)
+            gen_tokens += sum(len(c["ids"]) for g, c in comps)
+            rewards = [c["reward"] for g, c in comps]
+            m = {"step": step, "version": version, "reward_mean": sum(rewards) / len(rewards),
+                 "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+                 "response_len_mean": sum(len(c["ids"]) for g, c in comps) / len(comps),
+                 "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+                 "mixed_version_frac": sum(c["version_min"] != c["version_max"] for g, c in comps) / len(comps),
+                 "dropped_stale": buffer.dropped_stale, "dropped_flat": buffer.dropped_flat,
+                 "loss": sums[0].item(), "clip_frac": (sums[1] / sums[3]).item(),
+                 "logprob_mismatch": (sums[2] / sums[3]).item(), "grad_norm": grad_norm.item(),
+                 "samples": samples, "gen_tokens": gen_tokens, "t_wait_s": t_wait, "t_train_s": t_train,
+                 "t_sync_s": t_sync, "elapsed_s": time.perf_counter() - t_start, **rollout_stats}
+            print(f"step {step:4d} | reward {m['reward_mean']:.3f} | acc {m['accuracy']:.3f} | "
+                  f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} | {sums[3].item() / t_train:.0f} tok/s | "
+                  f"wait {t_wait:.2f}s train {t_train:.2f}s sync {t_sync:.2f}s", flush=True)
+            log.write(json.dumps(m) + "\n")
+            while evals:
+                log_eval(evals.pop(0))
+            log.flush()
+    # ---- the end: the final eval, the model in Hugging Face format ----
+    full = {name: t.cpu() for name, t in full_weights()}
+    if master:
+        AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
+        policy.save_pretrained(out_dir, state_dict=full)
+        deadline = time.time() + timeout_s
+        while eval_every > 0 and not any(e["version"] == max_steps for e in evals) and time.time() < deadline:
+            check_alive()
+            time.sleep(0.1)
+        for e in evals:
+            log_eval(e)
+        log.close()
+        sync.send_header(ctl, max_steps, discarded, stop=True, device=device)
+        proc.wait(timeout=timeout_s)
+finally:
+    if master and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+dist.destroy_process_group()
