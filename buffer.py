@@ -33,9 +33,10 @@ class Buffer:
             self.cond.notify()
 
     def get(self, version, n_groups, check_alive=lambda: None):
-        """Block until n_groups usable groups are in; -> (groups, seconds waited). check_alive() is called about
-        once a second while waiting and should raise if the producer is gone."""
-        batch, waited = [], 0.0
+        """Block until n_groups usable groups are in; -> (groups, every group taken out including the discarded ones,
+        seconds waited). check_alive() is called about once a second while waiting and should raise if the producer
+        is gone."""
+        batch, seen, waited = [], [], 0.0
         while len(batch) < n_groups:
             with self.cond:
                 t0 = time.perf_counter()
@@ -47,6 +48,7 @@ class Buffer:
                 if self.error is not None:
                     raise RuntimeError(self.error)
                 group = self.groups.pop(0)
+            seen.append(group)
             if version - group["version_min"] > self.max_staleness:
                 self.dropped_stale += 1
                 self.on_discard(1)
@@ -55,7 +57,7 @@ class Buffer:
                 self.on_discard(1)
             else:
                 batch.append(group)
-        return batch, waited
+        return batch, seen, waited
 
 
 def is_flat(group):

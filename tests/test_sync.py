@@ -23,7 +23,7 @@ def logprobs(model, prompt, completion, temperature=0.7):
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_weights_reach_vllm_and_logprobs_match(tiny, kind):
     path = tiny[kind]
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings == (kind == "tied")
     prompt = AutoTokenizer.from_pretrained(path).encode("What is 12 + 7?")
     port = free_port()

@@ -1,0 +1,23 @@
+# The CPU demo: SmolLM2-135M-Instruct (offline, `python prepare.py smollm2`) learns "What is a + b?" on 2 cores.
+model = "data/smollm2-135m"
+task = "arithmetic"
+out_dir = "out/smollm_cpu"
+max_steps = 20
+batch_groups = 16
+group_size = 8
+max_new_tokens = 64
+temperature = 0.7
+lr = 2e-5
+max_staleness = 1
+drop_flat = True  # about half the groups are all-right or all-wrong: no signal, skip their training cost
+eval_every = 4
+eval_n = 100
+rollout_groups = 32
+rollout_dtype = "float32"  # the sampler's precision; see README "precision"
+trainer_dtype = "float32"  # this CPU (AVX2, no AMX) emulates bfloat16 matmuls: ~100x slower
+trainer_threads = 1
+rollout_cpus = "1"  # vLLM on core 1, the trainer on core 0: both always busy, never fighting
+micro_batch_size = 16
+max_model_len = 256
+kv_cache_gb = 2
+timeout_s = 300
