@@ -39,7 +39,7 @@ temperature = 1.0  # sampling temperature; the trainer's logprobs use the same o
 lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
-micro_batch_size = 8  # sequences per forward/backward
+micro_batch_groups = 1  # prompt groups per forward/backward
 max_staleness = 1  # eta: a sample's oldest token may be at most this many versions old; 0 = synchronous
 drop_flat = True  # discard groups whose rewards are all equal (zero advantage, no signal)
 adv_norm_std = False  # divide advantages by the group's reward std
@@ -164,24 +164,36 @@ def full_weights():
         yield name, (p.full_tensor() if isinstance(p, DTensor) else p)  # a collective on every rank
 
 
-def token_logprobs(net, batch):
-    """Logprobs of the completion tokens under net, at the sampling temperature. batch: list of
-    (prompt_ids, completion_ids). Prompts are left-padded and completions right-padded, so every row's completion
-    starts at the same column and only those columns go through the output layer."""
-    P = max(len(p) for p, _ in batch)
-    T = max(len(c) for _, c in batch)
-    ids = torch.zeros(len(batch), P + T, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(batch):
-        ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
-        mask[i, P - len(p):P + len(c)] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    logits = net(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1].float()
-    logits = logits / temperature
-    target = ids[:, P:]
-    logp = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-    return logp, mask[:, P:]
+def token_logprobs(net, groups):
+    """Logprobs of every completion token of these groups under net, at the sampling temperature -> (logp, mask),
+    [completions, longest completion], rows in group order. Each prompt runs once and its KV cache is shared by the
+    group's completions (for short answers that halves the tokens); only completion positions reach the output
+    layer. Prompts are left-padded, completions right-padded."""
+    n = len(groups[0]["completions"])
+    prompts = [g["prompt_ids"] for g in groups]
+    comps = [c["ids"] for g in groups for c in g["completions"]]
+    P, T = max(map(len, prompts)), max(map(len, comps))
+    pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T, dtype=torch.long)
+    pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
+    for i, p in enumerate(prompts):
+        pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
+    for i, c in enumerate(comps):
+        cids[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), 1
+    pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
+    out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0), use_cache=True,
+              logits_to_keep=1)
+    logits = out.logits[:, -1:].repeat_interleave(n, 0)  # the prompt's last position predicts completion token 0
+    if T > 1:
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        pmask = pmask.repeat_interleave(n, 0)
+        pos = pmask.sum(1, keepdim=True) + torch.arange(T - 1, device=device)
+        rest = net(input_ids=cids[:, :-1], attention_mask=torch.cat([pmask, cmask[:, :-1]], 1), position_ids=pos,
+                   past_key_values=cache).logits
+        logits = torch.cat([logits, rest], 1)
+    logits = logits.float() / temperature
+    logp = logits.gather(-1, cids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    return logp, cmask
 
 
 def pad(rows, width):
@@ -259,24 +271,20 @@ try:
         t_wait = time.perf_counter() - t0 if not master else t_wait
         # ---- 2. loss and one optimizer step ----
         t0 = time.perf_counter()
-        rows = [(g["prompt_ids"], c["ids"], c["logprobs"], a)
-                for g in mine
-                for c, a in zip(g["completions"],
-                                L.group_advantages(torch.tensor([c["reward"] for c in g["completions"]]),
-                                                   len(g["completions"]), adv_norm_std).tolist())]
-        n_tok = torch.tensor([float(sum(len(r[1]) for r in rows))], device=device)
+        n_tok = torch.tensor([float(sum(len(c["ids"]) for g in mine for c in g["completions"]))], device=device)
         dist.all_reduce(n_tok)
         sums = torch.zeros(4, device=device)  # loss, clipped tokens, |log ratio| sum, tokens
-        for i in range(0, len(rows), micro_batch_size):
-            mb = rows[i:i + micro_batch_size]
-            policy.set_requires_gradient_sync(i + micro_batch_size >= len(rows))
-            logp, mask = token_logprobs(policy, [(r[0], r[1]) for r in mb])
-            behav = pad([r[2] for r in mb], logp.shape[1])
-            adv = torch.tensor([r[3] for r in mb], device=device)
+        for i in range(0, len(mine), micro_batch_groups):
+            mb = mine[i:i + micro_batch_groups]
+            policy.set_requires_gradient_sync(i + micro_batch_groups >= len(mine))
+            logp, mask = token_logprobs(policy, mb)
+            behav = pad([c["logprobs"] for g in mb for c in g["completions"]], logp.shape[1])
+            adv = torch.cat([L.group_advantages(torch.tensor([c["reward"] for c in g["completions"]], device=device),
+                                                len(g["completions"]), adv_norm_std) for g in mb])
             ref_logp = None
             if reference is not None:
                 with torch.no_grad():
-                    ref_logp, _ = token_logprobs(reference, [(r[0], r[1]) for r in mb])
+                    ref_logp, _ = token_logprobs(reference, mb)
             loss, st = L.grpo_loss(logp, behav, adv, mask, n_tok, eps_low, eps_high, tis_cap, ref_logp, kl_coef)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global token mean
             sums += torch.tensor([loss.item(), st["clipped"], st["abs_log_ratio"], st["tokens"]], device=device)
