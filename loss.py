@@ -14,10 +14,45 @@ Because the ratio is taken against the behaviour policy, not against the trainer
 the clip is a trust region around the data: the staler a sample, the further pi_theta has moved from it and the more
 of its tokens fall outside the clip and stop contributing gradient. That is the whole off-policy correction.
 
+token_logprobs() scores the sampled tokens under the trainer's model the way the sampler drew them:
+log_softmax(logits / T), the same distribution vLLM reports with logprobs_mode="processed_logprobs".
+
 Simplifications: one optimizer step per batch (so no separate "old policy" pass); the optional KL to a reference
 policy uses the k3 estimator per token.
 """
 import torch
+
+
+def token_logprobs(net, groups, temperature, device):
+    """Logprobs of every completion token of these groups under net, at the sampling temperature -> (logp, mask),
+    [completions, longest completion], rows in group order. Each prompt runs once and its KV cache is shared by the
+    group's completions (for short answers that halves the tokens); only completion positions reach the output
+    layer. Prompts are left-padded, completions right-padded."""
+    n = len(groups[0]["completions"])
+    prompts = [g["prompt_ids"] for g in groups]
+    comps = [c["ids"] for g in groups for c in g["completions"]]
+    P, T = max(map(len, prompts)), max(map(len, comps))
+    pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T, dtype=torch.long)
+    pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
+    for i, p in enumerate(prompts):
+        pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
+    for i, c in enumerate(comps):
+        cids[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), 1
+    pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
+    out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0), use_cache=True,
+              logits_to_keep=1)
+    logits = out.logits[:, -1:].repeat_interleave(n, 0)  # the prompt's last position predicts completion token 0
+    if T > 1:
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        pmask = pmask.repeat_interleave(n, 0)
+        pos = pmask.sum(1, keepdim=True) + torch.arange(T - 1, device=device)
+        rest = net(input_ids=cids[:, :-1], attention_mask=torch.cat([pmask, cmask[:, :-1]], 1), position_ids=pos,
+                   past_key_values=cache).logits
+        logits = torch.cat([logits, rest], 1)
+    logits = logits.float() / temperature
+    logp = logits.gather(-1, cids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    return logp, cmask
 
 
 def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):
@@ -34,7 +69,7 @@ def grpo_loss(logp, behav_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.28,
     """
     logp, behav_logp, mask: [B, T] (mask is 1 on completion tokens); adv: [B]; n_tokens: the number of completion
     tokens in the whole batch (all micro-batches, all ranks), so micro-batches and ranks add up to a token mean.
-    Returns (loss, stats) with stats as detached sums over this micro-batch's tokens.
+    Returns (loss, clipped): clipped marks the completion tokens the clip or the cap cut off from the gradient.
     """
     mask = mask.to(logp.dtype)
     log_ratio = logp - behav_logp
@@ -48,8 +83,5 @@ def grpo_loss(logp, behav_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.28,
         d = ref_logp - logp
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
     loss = (per_tok * mask).sum() / n_tokens
-    with torch.no_grad():
-        clipped = ((pg_clip > pg) | ((a < 0) & (ratio > tis_cap))).to(mask.dtype) * mask
-        stats = {"clipped": clipped.sum().item(), "abs_log_ratio": (log_ratio.abs() * mask).sum().item(),
-                 "tokens": mask.sum().item()}
-    return loss, stats
+    clipped = ((pg_clip > pg) | ((a < 0) & (ratio > tis_cap))).detach() & (mask > 0)  # tokens that get no gradient
+    return loss, clipped

@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import random
+import resource
 import signal
 import sys
 import threading
@@ -111,7 +112,10 @@ def main(cfg):
     version, discarded, admitted = 0, 0, 0
     pending = None  # newest weights received and not loaded yet
     inflight, evals = {}, {}  # request id -> (problem, version at admission); eval request id -> problem
-    eval_correct, eval_n, counters = 0, 0, {"reward_failed": 0, "skipped_long": 0}
+    eval_correct, eval_n = 0, 0
+    # cumulative, sent with every group: failures, and where the rollout's time goes (for bench.py)
+    counters = {"reward_failed": 0, "skipped_long": 0, "rollout_engine_s": 0.0, "rollout_load_s": 0.0,
+                "rollout_tokens": 0, "rollout_rss_mb": 0.0}
     B, eta = cfg["batch_groups"], cfg["max_staleness"]
     engine.set_weight_version(str(version))
 
@@ -150,9 +154,11 @@ def main(cfg):
         if pending is not None and not evals:
             version, weights = pending
             pending = None
+            t0 = time.perf_counter()
             llm.collective_rpc(load_weights, args=(weights,))
             llm.reset_prefix_cache()  # does nothing while requests hold blocks; the per-version cache_salt covers that
             engine.set_weight_version(str(version))
+            counters["rollout_load_s"] += time.perf_counter() - t0
             if cfg["eval_every"] > 0 and (version % cfg["eval_every"] == 0 or version == cfg["max_steps"]):
                 start_eval()
         # 2. admission control: bounded staleness
@@ -172,7 +178,10 @@ def main(cfg):
         if not engine.has_unfinished_requests():
             continue
         # 3. one engine step; finished groups are graded and sent
-        for out in engine.step():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        counters["rollout_engine_s"] += time.perf_counter() - t0
+        for out in outs:
             if not out.finished:
                 continue
             if out.request_id in evals:
@@ -188,10 +197,12 @@ def main(cfg):
             for c in out.outputs:
                 r, failed = reward.score(c.text, problem["answer"], cfg["reward_timeout_s"])
                 counters["reward_failed"] += failed
-                versions = [int(s.version) for s in c.weight_versions] if c.weight_versions else [v0]
-                completions.append({"ids": list(c.token_ids), "reward": r,
+                spans = [(int(s.version), s.start, s.end) for s in c.weight_versions or []] or [(v0, 0, len(c.token_ids))]
+                completions.append({"ids": list(c.token_ids), "reward": r, "spans": spans,
                                     "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                                    "version_min": min(versions), "version_max": max(versions)})
+                                    "version_min": min(v for v, *_ in spans), "version_max": max(v for v, *_ in spans)})
+            counters["rollout_tokens"] += sum(len(c["ids"]) for c in completions)
+            counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             sync.send_obj(traj, {"kind": "group", "prompt_id": problem["id"], "prompt_ids": encode(problem),
                                  "completions": completions, "version_min": min(c["version_min"] for c in completions),
                                  "version_max": max(c["version_max"] for c in completions), **counters}, 0, device)

@@ -10,14 +10,15 @@ one extra process, rollout.py, which owns vLLM and generates all the time. Per o
   4. logs one line and one JSON object to {out_dir}/metrics.jsonl.
 Version k = the weights after k optimizer steps; batch k is trained at version k.
 
-Simplifications: one optimizer step per batch; AdamW at a constant learning rate; right-padded micro-batches of
-`micro_batch_size` sequences; the trainer recomputes logprobs with the same temperature the sampler used
-(log_softmax(logits / T)), which is the distribution vLLM reports with logprobs_mode="processed_logprobs".
+Simplifications: one optimizer step per batch; AdamW at a constant learning rate; micro-batches of whole groups
+(padded, not packed); rank 0 alone talks to the rollout process and deals each batch out to the other ranks.
+Run `python train.py --plot OUT_DIR` to (re)draw OUT_DIR/curves.png; every run draws it at the end.
 """
 import ast
 import difflib
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -107,6 +108,39 @@ def parse_config(argv):
     return cfg
 
 
+def plot(run_dir):
+    """{run_dir}/curves.png from metrics.jsonl: reward and eval accuracy against samples and against time, and where
+    the trainer's time went."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_accuracy" in r]
+    per_version = {r["version"]: r for r in steps}
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for i, (x, label) in enumerate((("samples", "trained samples"), ("elapsed_s", "wall-clock (s)"))):
+        ax[i].plot([r[x] for r in steps], [r["reward_mean"] for r in steps], label="train reward")
+        ex = [per_version[e["version"]][x] if e["version"] in per_version else 0 for e in evals] if x == "samples" \
+            else [e["elapsed_s"] for e in evals]
+        ax[i].plot(ex, [e["eval_accuracy"] for e in evals], "o-", label="held-out accuracy (greedy)")
+        ax[i].set_xlabel(label)
+        ax[i].set_ylim(0, 1)
+        ax[i].legend()
+    bottom = [0.0] * len(steps)
+    for key in ("t_wait_s", "t_train_s", "t_sync_s"):
+        ax[2].bar([r["step"] for r in steps], [r[key] for r in steps], bottom=bottom, label=key[2:-2])
+        bottom = [b + r[key] for b, r in zip(bottom, steps)]
+    ax[2].set_xlabel("step")
+    ax[2].set_ylabel("trainer seconds")
+    ax[2].legend()
+    fig.suptitle(run_dir)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=80)
+    return os.path.join(run_dir, "curves.png")
+
+
+if sys.argv[1:2] == ["--plot"]:
+    sys.exit(print(plot(sys.argv[2])))
 globals().update(parse_config(sys.argv[1:]))
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------------------------------------------
@@ -164,36 +198,12 @@ def full_weights():
         yield name, (p.full_tensor() if isinstance(p, DTensor) else p)  # a collective on every rank
 
 
-def token_logprobs(net, groups):
-    """Logprobs of every completion token of these groups under net, at the sampling temperature -> (logp, mask),
-    [completions, longest completion], rows in group order. Each prompt runs once and its KV cache is shared by the
-    group's completions (for short answers that halves the tokens); only completion positions reach the output
-    layer. Prompts are left-padded, completions right-padded."""
-    n = len(groups[0]["completions"])
-    prompts = [g["prompt_ids"] for g in groups]
-    comps = [c["ids"] for g in groups for c in g["completions"]]
-    P, T = max(map(len, prompts)), max(map(len, comps))
-    pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T, dtype=torch.long)
-    pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
-    for i, p in enumerate(prompts):
-        pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
-    for i, c in enumerate(comps):
-        cids[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), 1
-    pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
-    out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0), use_cache=True,
-              logits_to_keep=1)
-    logits = out.logits[:, -1:].repeat_interleave(n, 0)  # the prompt's last position predicts completion token 0
-    if T > 1:
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        pmask = pmask.repeat_interleave(n, 0)
-        pos = pmask.sum(1, keepdim=True) + torch.arange(T - 1, device=device)
-        rest = net(input_ids=cids[:, :-1], attention_mask=torch.cat([pmask, cmask[:, :-1]], 1), position_ids=pos,
-                   past_key_values=cache).logits
-        logits = torch.cat([logits, rest], 1)
-    logits = logits.float() / temperature
-    logp = logits.gather(-1, cids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-    return logp, cmask
+def token_versions(completion):
+    """The policy version that sampled each token (vLLM's spans of [start, end) per version)."""
+    v = [0] * len(completion["ids"])
+    for version, start, end in completion["spans"]:
+        v[start:end] = [version] * (end - start)
+    return v
 
 
 def pad(rows, width):
@@ -209,6 +219,13 @@ if master:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "OMP_NUM_THREADS")
            and not k.startswith("TORCHELASTIC")}
+    if device != "cpu":  # the rollout process takes the first GPU after the trainer ranks' on this node
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local_world >= len(gpus):
+            raise SystemExit(f"error: {local_world} trainer ranks use all {len(gpus)} GPUs of this node and vLLM needs "
+                             f"one more: use --nproc_per_node={len(gpus) - 1}")
+        env["CUDA_VISIBLE_DEVICES"] = gpus[local_world]
     if rollout_cpus:
         env.update(VLLM_CPU_OMP_THREADS_BIND=rollout_cpus, OMP_NUM_THREADS=str(len(rollout_affinity)))
     proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout.py"),
@@ -235,7 +252,8 @@ if master:
         try:
             while True:
                 msg = sync.recv_obj(traj, 1, device)
-                rollout_stats.update({k: msg[k] for k in ("reward_failed", "skipped_long") if k in msg})
+                rollout_stats.update({k: v for k, v in msg.items() if k.startswith("rollout_") or k in
+                                      ("reward_failed", "skipped_long")})
                 if msg["kind"] == "group":
                     buffer.put(msg)
                 elif msg["kind"] == "eval":
@@ -273,21 +291,26 @@ try:
         t0 = time.perf_counter()
         n_tok = torch.tensor([float(sum(len(c["ids"]) for g in mine for c in g["completions"]))], device=device)
         dist.all_reduce(n_tok)
-        sums = torch.zeros(4, device=device)  # loss, clipped tokens, |log ratio| sum, tokens
+        sums = torch.zeros(7, device=device)  # see the names in step 4
         for i in range(0, len(mine), micro_batch_groups):
             mb = mine[i:i + micro_batch_groups]
             policy.set_requires_gradient_sync(i + micro_batch_groups >= len(mine))
-            logp, mask = token_logprobs(policy, mb)
+            logp, mask = L.token_logprobs(policy, mb, temperature, device)
             behav = pad([c["logprobs"] for g in mb for c in g["completions"]], logp.shape[1])
             adv = torch.cat([L.group_advantages(torch.tensor([c["reward"] for c in g["completions"]], device=device),
                                                 len(g["completions"]), adv_norm_std) for g in mb])
             ref_logp = None
             if reference is not None:
                 with torch.no_grad():
-                    ref_logp, _ = token_logprobs(reference, mb)
-            loss, st = L.grpo_loss(logp, behav, adv, mask, n_tok, eps_low, eps_high, tis_cap, ref_logp, kl_coef)
+                    ref_logp, _ = L.token_logprobs(reference, mb, temperature, device)
+            loss, clipped = L.grpo_loss(logp, behav, adv, mask, n_tok, eps_low, eps_high, tis_cap, ref_logp, kl_coef)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global token mean
-            sums += torch.tensor([loss.item(), st["clipped"], st["abs_log_ratio"], st["tokens"]], device=device)
+            # tokens sampled by the weights trained right now (staleness 0) vs by older ones
+            fresh = (pad([token_versions(c) for g in mb for c in g["completions"]], logp.shape[1]) == step) & (mask > 0)
+            stale = (mask > 0) & ~fresh
+            mismatch = (logp.detach() - behav).abs()
+            sums += torch.tensor([loss.item(), clipped.sum(), (clipped & fresh).sum(), fresh.sum(), (clipped & stale).sum(),
+                                  stale.sum(), (mismatch * fresh).sum()], device=device)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         optimizer.step()
@@ -314,12 +337,19 @@ try:
                  "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                  "mixed_version_frac": sum(c["version_min"] != c["version_max"] for g, c in comps) / len(comps),
                  "dropped_stale": buffer.dropped_stale, "dropped_flat": buffer.dropped_flat,
-                 "loss": sums[0].item(), "clip_frac": (sums[1] / sums[3]).item(),
-                 "logprob_mismatch": (sums[2] / sums[3]).item(), "grad_norm": grad_norm.item(),
+                 # off-policy health: the clip's share of fresh and of stale tokens, and the training-inference
+                 # mismatch |log pi_theta - log pi_vllm| on fresh tokens (same weights: numerics only, ~0 in fp32)
+                 "loss": sums[0].item(), "clip_frac": ((sums[2] + sums[4]) / (sums[3] + sums[5])).item(),
+                 "clip_frac_fresh": (sums[2] / sums[3].clamp(min=1)).item(),
+                 "clip_frac_stale": (sums[4] / sums[5].clamp(min=1)).item(),
+                 "stale_token_frac": (sums[5] / (sums[3] + sums[5])).item(),
+                 "logprob_mismatch": (sums[6] / sums[3].clamp(min=1)).item(), "grad_norm": grad_norm.item(),
+                 "train_tokens_per_s": (sums[3] + sums[5]).item() / t_train,
                  "samples": samples, "gen_tokens": gen_tokens, "t_wait_s": t_wait, "t_train_s": t_train,
-                 "t_sync_s": t_sync, "elapsed_s": time.perf_counter() - t_start, **rollout_stats}
+                 "t_sync_s": t_sync, "elapsed_s": time.perf_counter() - t_start,
+                 "trainer_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **rollout_stats}
             print(f"step {step:4d} | reward {m['reward_mean']:.3f} | acc {m['accuracy']:.3f} | "
-                  f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} | {sums[3].item() / t_train:.0f} tok/s | "
+                  f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} | {m['train_tokens_per_s']:.0f} tok/s | "
                   f"wait {t_wait:.2f}s train {t_train:.2f}s sync {t_sync:.2f}s", flush=True)
             log.write(json.dumps(m) + "\n")
             while evals:
@@ -338,6 +368,10 @@ try:
             log_eval(e)
         log.close()
         sync.send_header(ctl, max_steps, discarded, stop=True, device=device)
+        try:
+            print("curves:", plot(out_dir))
+        except ImportError:  # matplotlib is optional
+            pass
         proc.wait(timeout=timeout_s)
 finally:
     if master and proc.poll() is None:

@@ -1,0 +1,213 @@
+"""
+bench.py: how well the pipeline keeps generation and training busy. Prints a table and one JSON line.
+
+  python bench.py                      # tiny and SmolLM2 configs on this machine (CPU), < 10 minutes
+  python bench.py --configs=tiny       # just the tiny one
+  torchrun --nproc_per_node=1 bench.py --trainer   # the trainer step alone on a GPU (no vLLM needed), bf16
+
+Ratios, each measured side by side in one invocation (absolute times are noise on a shared machine):
+  overlap_speedup     wall-clock per trained sample, synchronous (max_staleness=0) / asynchronous (the config's eta),
+                      with vLLM and the trainer on disjoint cores; overlap_bound = (T_gen + T_train) / max(T_gen,
+                      T_train) from the synchronous run's own timings (there, waiting = generating)
+  sync_ratio          time to push the model through sync.send_weights (bucketed, as in training) / one raw
+                      broadcast of a flat buffer of the same bytes on the same kind of group
+  rollout_pause_share time the engine spends loading weights / time it spends generating
+  rollout_efficiency  vLLM tokens/s inside the training loop (over the time it generates or loads) / standalone vLLM
+                      generating the same prompts with the same sampling settings and concurrency
+  trainer_idle_share  share of the asynchronous trainer's wall-clock spent waiting for data
+The first `warmup` steps (engine start, first batch) are left out of every average.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1"]),
+           "smollm": ("config/smollm_cpu.py", ["--max_steps=6"])}
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
+warmup = int(args.get("warmup", 2))
+
+
+def train(name, *overrides):
+    config, base = CONFIGS[name]
+    out = os.path.join(ROOT, "out/bench", name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
+    os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, "metrics.jsonl"), "w").close()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "train.py", config, *base,
+           f"--out_dir={out}", "--eval_every=0", *overrides]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r for r in rows if "loss" in r]
+
+
+def per_sample(rows):
+    a, b = rows[warmup - 1], rows[-1]
+    return (b["elapsed_s"] - a["elapsed_s"]) / (b["samples"] - a["samples"])
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def standalone_rollout(name, n_prompts):
+    """vLLM alone on the same prompts, settings and concurrency as the rollout process: tokens/s."""
+    code = f"""
+import os, sys, time, json
+sys.path.insert(0, {ROOT!r})
+import rollout, reward
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    cfg = json.load(open(sys.argv[1]))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
+    llm = LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"], max_model_len=cfg["max_model_len"],
+              enforce_eager=cfg["enforce_eager"], logprobs_mode="processed_logprobs",
+              max_num_seqs=cfg["rollout_groups"] * cfg["group_size"])
+    tok = llm.get_tokenizer()
+    train_set, _ = reward.load_task(cfg)
+    prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}} for p in train_set[:{n_prompts}]]
+    params = SamplingParams(n=cfg["group_size"], temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    print(json.dumps({{"tokens_per_s": sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)}}))
+"""
+    config, base = CONFIGS[name]
+    cfg = json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0", "train_config.json")))
+    path = os.path.join(ROOT, "out/bench", name + "_standalone.json")
+    json.dump(cfg, open(path, "w"))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
+    cpus = cfg["rollout_cpus"]
+    if cpus:  # the same cores the rollout process had
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cpus, OMP_NUM_THREADS=str(len(cpus.split(","))))
+    prefix = ["taskset", "-c", cpus] if cpus else []
+    out = subprocess.run(prefix + [sys.executable, "-c", code, path], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def weight_sync(model_dir, bucket_mb, repeats=5):
+    """Trainer-side seconds to push a model's weights (bucketed) vs one flat broadcast of the same bytes."""
+    code = f"""
+import sys, torch
+sys.path.insert(0, {ROOT!r})
+import sync
+ctl, traj, store = sync.connect("127.0.0.1", int(sys.argv[1]), 1, "cpu", 60)
+meta = sync.recv_obj(ctl, 0)
+buckets = sync.plan_buckets(meta, {bucket_mb}, torch.float32)
+total = sum(n for b in buckets for *_, n in b)
+for _ in range({repeats}):
+    sync.recv_header(ctl); sync.recv_weights(ctl, buckets, torch.float32)
+    flat = torch.empty(total); ctl.broadcast(flat, 0).wait()
+"""
+    import socket
+    import torch
+    from transformers import AutoModelForCausalLM
+    import sync
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer = subprocess.Popen([sys.executable, "-c", code, str(port)])
+    ctl, traj, store = sync.connect("127.0.0.1", port, 0, "cpu", 60)
+    meta = [(n, tuple(p.shape)) for n, p in model.state_dict().items()]
+    sync.send_obj(ctl, meta, 1)
+    buckets = sync.plan_buckets(meta, bucket_mb, torch.float32)
+    flat = torch.zeros(sum(n for b in buckets for *_, n in b))
+    bucketed, raw = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sync.send_header(ctl, 1, 0, has_weights=True)
+        sync.send_weights(ctl, model.state_dict().items(), buckets, torch.float32)
+        bucketed.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ctl.broadcast(flat, 0).wait()
+        raw.append(time.perf_counter() - t)
+    peer.wait(timeout=60)
+    return sorted(bucketed)[repeats // 2], sorted(raw)[repeats // 2], flat.numel() * 4
+
+
+def trainer_only():
+    """The trainer step alone (FSDP2, bf16 compute on GPU), on synthetic groups: tokens/s, MFU, peak memory."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import loss as L
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    # Qwen2.5-0.5B's shape, random weights (nothing to download)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device != "cpu" else torch.float32, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    G, n, P, T = int(args.get("groups", 8)), int(args.get("group_size", 16)), 256, int(args.get("tokens", 512))
+    gen = torch.Generator().manual_seed(0)
+    groups = [{"prompt_ids": torch.randint(0, 150000, (P,), generator=gen).tolist(),
+               "completions": [{"ids": torch.randint(0, 150000, (T,), generator=gen).tolist()} for _ in range(n)]}
+              for _ in range(G)]
+    times = []
+    for it in range(4):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for g in groups:  # micro-batch = one group
+            logp, mask = L.token_logprobs(model, [g], 1.0, device)
+            adv = torch.randn(n, device=device)
+            loss, _ = L.grpo_loss(logp, logp.detach(), adv, mask, float(mask.sum()))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    step = min(times[1:])
+    tokens = G * (P + n * T)  # tokens through the model (each prompt once)
+    flops = 6 * n_params * tokens  # fwd + bwd, dense matmuls (attention scores left out)
+    peak = {"cuda": 989e12}.get(device.split(":")[0], None)  # H100 SXM dense bf16
+    out = {"device": torch.cuda.get_device_name() if device != "cpu" else "cpu", "params": n_params, "step_s": step,
+           "tokens_per_s": tokens / step, "mfu": flops / step / peak if peak else None,
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None}
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "--trainer" in sys.argv:
+        sys.exit(trainer_only())
+    results, table = {}, []
+    for name in args.get("configs", "tiny,smollm").split(","):
+        sync_rows = train(name, "--max_staleness=0")
+        async_rows = train(name)
+        steady = async_rows[warmup:]
+        t_gen = mean([r["t_wait_s"] for r in sync_rows[warmup:]])
+        t_train = mean([r["t_train_s"] + r["t_sync_s"] for r in sync_rows[warmup:]])
+        last = async_rows[-1]
+        in_loop = last["rollout_tokens"] / (last["rollout_engine_s"] + last["rollout_load_s"])
+        bucketed, raw, nbytes = weight_sync(json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
+                                                                         "train_config.json")))["model"],
+                                            float(args.get("bucket_mb", 64)))
+        r = {"overlap_speedup": per_sample(sync_rows) / per_sample(async_rows),
+             "overlap_bound": (t_gen + t_train) / max(t_gen, t_train),
+             "sync_ratio": bucketed / raw, "sync_s": bucketed, "sync_raw_s": raw, "weight_mb": nbytes / 2**20,
+             "rollout_pause_share": last["rollout_load_s"] / last["rollout_engine_s"],
+             "rollout_efficiency": in_loop / standalone_rollout(name, 64), "rollout_tokens_per_s": in_loop,
+             "trainer_idle_share": sum(r["t_wait_s"] for r in steady) / sum(r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"]
+                                                                            for r in steady),
+             "trainer_tokens_per_s": mean([r["train_tokens_per_s"] for r in steady]),
+             "t_gen_s": t_gen, "t_train_s": t_train,
+             "trainer_rss_mb": last["trainer_rss_mb"], "rollout_rss_mb": last["rollout_rss_mb"]}
+        results[name] = r
+    for name, r in results.items():
+        print(f"\n{name}")
+        for k, v in r.items():
+            print(f"  {k:22s} {v:.3f}" if isinstance(v, float) else f"  {k:22s} {v}")
+    print(json.dumps(results[name] | {"config": name, "per_config": results}))  # top level: the last (largest) config
