@@ -373,6 +373,16 @@ try:
         except ImportError:  # matplotlib is optional
             pass
         proc.wait(timeout=timeout_s)
+except Exception as e:
+    if not master:
+        raise
+    try:  # a broken connection usually means the rollout process died: say so, with its exit code
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        raise e
+    print(f"error: the rollout process (pid {proc.pid}) exited with code {proc.returncode}, so training stopped at "
+          f"step {step} ({type(e).__name__}: {str(e)[:200]}); its own error, if any, is printed above", file=sys.stderr)
+    sys.exit(1)
 finally:
     if master and proc.poll() is None:
         proc.kill()

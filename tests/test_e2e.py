@@ -2,8 +2,10 @@
 them. Also the config errors a user sees before anything starts."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -75,3 +77,26 @@ def test_batch_must_split_over_ranks(tiny, tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "batch_groups=3 is not divisible by the 2 trainer ranks" in p.stderr
+
+
+def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           "train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={free_port()}", "--max_steps=1000",
+           "--eval_every=0", "--timeout_s=30"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.5)
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    rollout = [q for q in psutil.process_iter(["cmdline"])
+               if "rollout.py" in " ".join(q.info["cmdline"] or []) and str(tmp_path) in " ".join(q.info["cmdline"])]
+    assert len(rollout) == 1
+    t0 = time.time()
+    rollout[0].send_signal(signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    took = time.time() - t0
+    assert p.returncode != 0
+    assert f"the rollout process (pid {rollout[0].pid}) exited with code -9" in err
+    assert took < 20, took
+    assert not [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
