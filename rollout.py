@@ -170,6 +170,9 @@ def main(cfg):
             ids = encode(problem)
             if ids is None:
                 counters["skipped_long"] += 1
+                if counters["skipped_long"] >= len(train_set) and not any(map(encode, train_set)):
+                    raise ValueError(f"no training prompt fits in max_model_len - max_new_tokens = {limit} tokens: "
+                                     "raise max_model_len or lower max_new_tokens")
                 continue
             rid = f"g{admitted}"
             inflight[rid] = (problem, version)

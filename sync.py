@@ -14,6 +14,7 @@ are cut along tensor boundaries (a tensor larger than bucket_mb gets a bucket of
 (they are small: token ids and floats), weights are never pickled.
 """
 import pickle
+import time
 from datetime import timedelta
 
 import torch
@@ -22,10 +23,23 @@ import torch.distributed as dist
 HEADER = 4  # [version, groups_discarded, has_weights, stop]
 
 
-def connect(host, port, rank, device, timeout_s):
-    """Open both groups. rank 0 (trainer) hosts the store. Returns (ctl, traj)."""
+def connect(host, port, rank, device, timeout_s, check_alive=lambda: None):
+    """Open both groups; rank 0 (the trainer) hosts the store and, while it waits for the rollout process to join,
+    calls check_alive() so a peer that died during start-up is reported at once. Returns (ctl, traj, store)."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=2, is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
+    try:
+        store = dist.TCPStore(host, port, world_size=2, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); if the port is in use, "
+                           f"pick a free one with --rollout_port=PORT") from None
+    if rank == 1:
+        store.set("rollout_joined", "1")
+    deadline = time.time() + timeout_s
+    while rank == 0 and not store.check(["rollout_joined"]):
+        check_alive()
+        if time.time() > deadline:
+            raise TimeoutError(f"the rollout process did not connect within timeout_s={timeout_s} s")
+        time.sleep(0.2)
     groups = []
     for name in ("ctl", "traj"):
         prefix = dist.PrefixStore(name, store)

@@ -100,3 +100,18 @@ def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_p
     assert f"the rollout process (pid {rollout[0].pid}) exited with code -9" in err
     assert took < 20, took
     assert not [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
+
+
+def test_a_taken_rollout_port_is_a_clear_error(tiny, tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+               "train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={port}", "--timeout_s=20"]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert f"cannot open the trainer<->rollout store on 127.0.0.1:{port}" in p.stderr
+    assert "--rollout_port=PORT" in p.stderr
+    assert not [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
