@@ -97,6 +97,8 @@ def parse_config(argv):
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # a bare string, e.g. --model=data/tiny
+            if isinstance(globals().get(key), str) and not isinstance(value, str):
+                value = text  # a string key takes the text as written: --rollout_cpus=1
             cfg[key] = check(key, value, arg)
         else:
             if not os.path.isfile(arg):
