@@ -25,7 +25,7 @@ import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1"]),
-           "smollm": ("config/smollm_cpu.py", ["--max_steps=6"])}
+           "smollm": ("config/smollm_cpu.py", ["--max_steps=5"])}
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 

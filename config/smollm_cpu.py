@@ -2,7 +2,7 @@
 model = "data/smollm2-135m"
 task = "arithmetic"
 out_dir = "out/smollm_cpu"
-max_steps = 16
+max_steps = 10
 batch_groups = 8  # groups with reward spread per step (flat ones are skipped before counting)
 group_size = 8
 max_new_tokens = 64
@@ -10,7 +10,7 @@ temperature = 0.7
 lr = 2e-5
 max_staleness = 1
 drop_flat = True  # about half the groups are all-right or all-wrong: no signal, skip their training cost
-eval_every = 4
+eval_every = 5
 eval_n = 100
 rollout_groups = 16
 rollout_dtype = "float32"  # the sampler's precision; see README "precision"
