@@ -13,6 +13,7 @@ Simplifications: the weight layout (names, shapes, dtype) is sent once at start-
 are cut along tensor boundaries (a tensor larger than bucket_mb gets a bucket of its own); trajectories are pickled
 (they are small: token ids and floats), weights are never pickled.
 """
+import math
 import pickle
 import time
 from datetime import timedelta
@@ -43,7 +44,7 @@ def connect(host, port, rank, device, timeout_s, check_alive=lambda: None):
     groups = []
     for name in ("ctl", "traj"):
         prefix = dist.PrefixStore(name, store)
-        if device == "cuda":
+        if str(device).startswith("cuda"):
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             groups.append(dist.ProcessGroupNCCL(prefix, rank, 2, opts))
@@ -75,9 +76,7 @@ def plan_buckets(meta, bucket_mb, dtype):
     limit = int(bucket_mb * 2**20) // torch.empty(0, dtype=dtype).element_size()  # in elements
     buckets, cur, used = [], [], 0
     for name, shape in meta:
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         if cur and used + n > limit:
             buckets.append(cur)
             cur, used = [], 0

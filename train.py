@@ -258,7 +258,7 @@ if master:
                 if msg["kind"] == "group":
                     buffer.put(msg)
                 elif msg["kind"] == "eval":
-                    evals.append(msg)
+                    evals.append(dict(msg, elapsed_s=time.perf_counter() - t_start))  # when it finished
                 elif msg["kind"] == "bye":
                     return
         except Exception as e:
@@ -269,7 +269,7 @@ if master:
     def log_eval(e):
         print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} (n={e['eval_n']})", flush=True)
         log.write(json.dumps({"step": e["version"], "version": e["version"], "eval_accuracy": e["eval_accuracy"],
-                              "eval_n": e["eval_n"], "elapsed_s": time.perf_counter() - t_start}) + "\n")
+                              "eval_n": e["eval_n"], "elapsed_s": e["elapsed_s"]}) + "\n")
 
 samples = gen_tokens = step = skipped_steps = bad_in_a_row = 0
 t_start = time.perf_counter()
