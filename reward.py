@@ -48,7 +48,12 @@ def read_jsonl(path):
 
 
 def gsm8k(data_path, eval_path, seed, n_eval):
-    if os.path.exists(data_path):
+    for key, path in (("data_path", data_path), ("eval_path", eval_path)):
+        if path and (path.endswith((".jsonl", ".json")) or os.sep in path) and not os.path.isfile(path):
+            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file of {{question, answer}} lines")
+    if not data_path:
+        raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id where the machine is online)")
+    if os.path.isfile(data_path):
         train = read_jsonl(data_path)
         test = read_jsonl(eval_path) if eval_path else None
     else:  # a hub dataset id: only where the machine is online (the GPU recipe)

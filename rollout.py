@@ -8,16 +8,22 @@ The loop drives vLLM one engine step at a time (continuous batching) and between
      token with the weight version that sampled it;
   2. admits new prompt groups while staleness allows: the trainer trains batch k (k = 0, 1, ...) at version k, so a
      group started at version v is at most max_staleness old when trained iff fewer than
-     (v + max_staleness + 1) * batch_groups groups have been admitted (not counting groups the trainer discarded).
+     (v - v0 + max_staleness + 1) * batch_groups groups have been admitted since the run started at version v0
+     (0, or a checkpoint's), not counting groups the trainer discarded.
      max_staleness = 0 is the synchronous baseline: generate one batch, wait for the next weights, repeat;
   3. grades finished groups (reward.py) and sends them to the trainer, with the sampled tokens' logprobs under the
      distribution that was actually sampled (logprobs_mode="processed_logprobs": log_softmax(logits / T)).
 Held-out eval (greedy, pass@1) runs in the same engine every eval_every versions; weight loads wait while an eval is
 in flight, so each eval sees exactly one version.
 
-Simplifications: one engine, tensor_parallel_size 1, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); no top-k /
-top-p (the behaviour logprobs would then be of a truncated distribution, which the trainer does not model); a prompt
-stream that reshuffles every epoch.
+The training prompts form one endless stream: position k is problem perm_e[k mod N] of epoch e = k // N, each epoch a
+seeded shuffle. Every group carries its position, so a checkpoint can say exactly which ones the trainer consumed and a
+resumed run regenerates the rest (those that were in flight or waiting in the buffer) from the checkpointed weights.
+
+Simplifications: one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with tensor_parallel_size > 1 vLLM
+starts its own workers); no top-k / top-p (the behaviour logprobs would then be of a truncated distribution, which the
+trainer does not model). SIGINT and SIGTERM are ignored: this process belongs to trainer rank 0, which stops it (or
+takes it down with it) after writing its checkpoint.
 """
 import ctypes
 import json
@@ -84,7 +90,8 @@ def main(cfg):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
     llm = LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"], max_model_len=cfg["max_model_len"],
               enforce_eager=cfg["enforce_eager"], gpu_memory_utilization=cfg["gpu_memory_utilization"],
-              logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+              tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
+              enable_prefix_caching=True)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     train_set, eval_set = reward.load_task(cfg)
     limit = cfg["max_model_len"] - cfg["max_new_tokens"]
@@ -97,9 +104,14 @@ def main(cfg):
         return encoded[problem["prompt"]]
 
     ctl, traj, store = sync.connect(cfg["rollout_host"], cfg["rollout_port"], 1, device, cfg["timeout_s"])
-    meta = sync.recv_obj(ctl, 0, device)
+    start = sync.recv_obj(ctl, 0, device)  # weight layout; where the run starts: version and prompt stream position
     dtype = getattr(torch, cfg["rollout_dtype"])
-    buckets = sync.plan_buckets(meta, cfg["bucket_mb"], dtype)
+    buckets = sync.plan_buckets(start["meta"], cfg["bucket_mb"], dtype)
+    v0 = version = start["version"]
+    if v0 > 0:  # a resumed run: the checkpointed weights come first, before any generation
+        sync.recv_header(ctl, device)
+        llm.collective_rpc(load_weights, args=(sync.recv_weights(ctl, buckets, dtype, device),))
+        llm.reset_prefix_cache()
     inbox = queue.Queue()
     threading.Thread(target=receive, args=(ctl, buckets, dtype, device, inbox), daemon=True).start()
 
@@ -107,9 +119,20 @@ def main(cfg):
                             logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg["max_new_tokens"],
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    rng = random.Random(cfg["seed"])
-    order, cursor = [], 0  # the training prompt stream: a fresh shuffle every epoch
-    version, discarded, admitted = 0, 0, 0
+    done, perm = set(start["done"]), {}
+
+    def stream(k):  # the training prompt stream from position k on, minus what the trainer consumed before a resume
+        while True:
+            if k not in done:
+                epoch, i = divmod(k, len(train_set))
+                if epoch not in perm:  # a fresh seeded shuffle per epoch, a function of (seed, epoch) alone
+                    perm.clear()
+                    perm[epoch] = random.Random(f"{cfg['seed']}/{epoch}").sample(range(len(train_set)), len(train_set))
+                yield k, train_set[perm[epoch][i]]
+            k += 1
+
+    prompts = stream(start["next"])
+    discarded, admitted = 0, 0  # since this process started: the trainer counts discards from there too
     pending = None  # newest weights received and not loaded yet
     inflight, evals = {}, {}  # request id -> (problem, version at admission); eval request id -> problem
     eval_correct, eval_n = 0, 0
@@ -162,11 +185,8 @@ def main(cfg):
             if cfg["eval_every"] > 0 and (version % cfg["eval_every"] == 0 or version == cfg["max_steps"]):
                 start_eval()
         # 2. admission control: bounded staleness
-        while len(inflight) < cfg["rollout_groups"] and admitted - discarded < (version + eta + 1) * B:
-            if cursor == len(order):
-                order, cursor = rng.sample(range(len(train_set)), len(train_set)), 0
-            problem = train_set[order[cursor]]
-            cursor += 1
+        while len(inflight) < cfg["rollout_groups"] and admitted - discarded < (version - v0 + eta + 1) * B:
+            pos, problem = next(prompts)
             ids = encode(problem)
             if ids is None:
                 counters["skipped_long"] += 1
@@ -175,7 +195,7 @@ def main(cfg):
                                      "raise max_model_len or lower max_new_tokens")
                 continue
             rid = f"g{admitted}"
-            inflight[rid] = (problem, version)
+            inflight[rid] = (pos, problem, version)
             engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{version}"}, sample)
             admitted += 1
         if not engine.has_unfinished_requests():
@@ -195,27 +215,27 @@ def main(cfg):
                                          "eval_accuracy": eval_correct / eval_n}, 0, device)
                     eval_correct = eval_n = 0
                 continue
-            problem, v0 = inflight.pop(out.request_id)
+            pos, problem, v_start = inflight.pop(out.request_id)
             completions = []
             for c in out.outputs:
                 r, failed = reward.score(c.text, problem["answer"], cfg["reward_timeout_s"])
                 counters["reward_failed"] += failed
-                spans = [(int(s.version), s.start, s.end) for s in c.weight_versions or []] or [(v0, 0, len(c.token_ids))]
+                spans = [(int(s.version), s.start, s.end) for s in c.weight_versions or []] or [(v_start, 0, len(c.token_ids))]
                 completions.append({"ids": list(c.token_ids), "reward": r, "spans": spans,
                                     "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                                     "version_min": min(v for v, *_ in spans), "version_max": max(v for v, *_ in spans)})
             counters["rollout_tokens"] += sum(len(c["ids"]) for c in completions)
             counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            sync.send_obj(traj, {"kind": "group", "prompt_id": problem["id"], "prompt_ids": encode(problem),
+            sync.send_obj(traj, {"kind": "group", "pos": pos, "prompt_id": problem["id"], "prompt_ids": encode(problem),
                                  "completions": completions, "version_min": min(c["version_min"] for c in completions),
                                  "version_max": max(c["version_max"] for c in completions), **counters}, 0, device)
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun signals rank 0's whole process group; rank 0 stops us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         main(json.loads(sys.argv[1]))
-    except KeyboardInterrupt:
-        sys.exit(130)
     except Exception as e:
         print(f"rollout: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise

@@ -19,6 +19,7 @@ import difflib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
 micro_batch_groups = 1  # prompt groups per forward/backward
+activation_checkpointing = False  # recompute each layer's MLP in the backward pass: less memory, more compute
 max_staleness = 1  # eta: a sample's oldest token may be at most this many versions old; 0 = synchronous
 drop_flat = True  # discard groups whose rewards are all equal (zero advantage, no signal)
 adv_norm_std = False  # divide advantages by the group's reward std
@@ -51,6 +53,7 @@ kl_coef = 0.0  # KL(pi || reference) penalty; 0 = no reference model at all
 eval_every = 5  # greedy held-out eval every this many versions (and at the start and end); 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_groups = 32  # most prompt groups in flight in vLLM at once
+tensor_parallel_size = 1  # GPUs for vLLM: the ones after the trainer ranks' on the first node
 rollout_dtype = "float32"  # vLLM weights and compute
 trainer_dtype = "float32"  # FSDP2 compute dtype (master weights and gradient reduction stay float32)
 trainer_threads = 0  # CPU threads per trainer rank; 0 = leave torchrun's OMP_NUM_THREADS (1) alone
@@ -65,6 +68,8 @@ rollout_port = 29600
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
 reward_timeout_s = 5.0
 max_bad_steps = 3  # this many NaN/inf gradients in a row (each step skipped) stop the run
+ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, and on Ctrl-C/SIGTERM; 0 = never
+resume = False  # continue from {out_dir}/ckpt.pt: weights, optimizer, version, prompt stream position
 # -----------------------------------------------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 
@@ -91,7 +96,9 @@ def parse_config(argv):
     for arg in argv:
         if arg.startswith("--"):
             key, eq, text = arg[2:].partition("=")
-            if not eq:
+            if not eq and isinstance(globals().get(key), bool):
+                text = "True"  # a bare --flag switches a boolean key on
+            elif not eq:
                 die(f"{arg!r} has no value: write --{key}=VALUE")
             try:
                 value = ast.literal_eval(text)
@@ -151,10 +158,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import buffer as buf
 import loss as L
+import reward
 import sync
 
 for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
@@ -167,6 +177,27 @@ if max_staleness < 0:
     die(f"max_staleness={max_staleness} must be >= 0 (0 = synchronous)")
 if not os.path.isfile(os.path.join(model, "config.json")):
     die(f"model {model!r} is not a Hugging Face model folder (no config.json); `python prepare.py tiny|smollm2` makes one")
+model_config = json.load(open(os.path.join(model, "config.json")))
+archs = model_config.get("architectures") or []
+if model_config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or \
+        archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+    die(f"model {model!r} is a {'/'.join(archs) or model_config.get('model_type')!r} model, not a causal language "
+        "model: use a decoder-only LM folder (one that AutoModelForCausalLM loads)")
+try:  # the rollout process loads the task too; a bad dataset is cheaper to report here, before anything starts
+    reward.load_task(config)
+except (OSError, ValueError, KeyError) as e:
+    die(str(e))
+if device != "cpu":  # the rollout process takes the tensor_parallel_size GPUs after the trainer ranks' on this node
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    rollout_gpus = gpus[local_world:local_world + tensor_parallel_size]
+    if len(rollout_gpus) < tensor_parallel_size:
+        die(f"{local_world} trainer ranks + tensor_parallel_size={tensor_parallel_size} for vLLM need "
+            f"{local_world + tensor_parallel_size} GPUs, this node has {len(gpus)}: use "
+            f"--nproc_per_node={len(gpus) - tensor_parallel_size} or a smaller --tensor_parallel_size")
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+if resume and not os.path.isfile(ckpt_path):
+    die(f"--resume: no checkpoint at {ckpt_path}; run without --resume (and with --ckpt_every=K to write one)")
 if device != "cpu":
     torch.cuda.set_device(device)
 dist.init_process_group("nccl" if device != "cpu" else "gloo", device_id=torch.device(device) if device != "cpu" else None)
@@ -182,6 +213,10 @@ master = rank == 0
 
 # the policy: FSDP2 per decoder layer, then the root (embeddings, norm, head)
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+if activation_checkpointing:  # MLPs only: attention must not run twice, it appends to the prompt's shared KV cache
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for layer in policy.model.layers:
+        layer.mlp = checkpoint_wrapper(layer.mlp)
 mp = MixedPrecisionPolicy(param_dtype=getattr(torch, trainer_dtype), reduce_dtype=torch.float32)
 for layer in policy.model.layers:
     fully_shard(layer, mp_policy=mp)
@@ -194,6 +229,32 @@ if kl_coef > 0:
 # HF names and full shapes, in a fixed order; includes lm_head.weight even when tied (vLLM wants it)
 meta = [(name, tuple(p.shape)) for name, p in policy.state_dict().items()]
 buckets = sync.plan_buckets(meta, bucket_mb, getattr(torch, rollout_dtype))
+full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
+
+
+def save_checkpoint(version, state):
+    """Every rank joins the gather; rank 0 writes {out_dir}/ckpt.pt atomically (a crash mid-write leaves the previous
+    checkpoint intact). state: what rank 0 needs to continue exactly (prompt stream position, counters)."""
+    model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
+    if master:
+        with open(ckpt_path + ".tmp", "wb") as f:
+            torch.save({"version": version, "model": model_sd, "optim": optim_sd, "torch_rng": torch.get_rng_state(),
+                        **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(ckpt_path + ".tmp", ckpt_path)
+
+
+ckpt = {}
+if resume:  # rank 0 reads the file; the weights and optimizer state reach the other ranks' shards by broadcast
+    ckpt = torch.load(ckpt_path, weights_only=True) if master else {"model": {}, "optim": {}}
+    set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model"), optim_state_dict=ckpt.pop("optim"),
+                   options=full_state)
+    if master:
+        torch.set_rng_state(ckpt["torch_rng"])
+box = [ckpt.get("version", 0)]
+dist.broadcast_object_list(box, src=0)
+start = box[0]  # version k = the weights after k optimizer steps: this run's first batch is trained at version start
 
 
 def full_weights():
@@ -213,6 +274,22 @@ def pad(rows, width):
     return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], device=device)
 
 
+
+
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM (torchrun passes both on to every rank): stop at the next step boundary."""
+
+
+stop_signal = 0
+
+
+def on_signal(signum, frame):
+    global stop_signal
+    stop_signal = signum
+
+
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGTERM, on_signal)
 # -----------------------------------------------------------------------------------------------------------------
 if master:
     import rollout  # noqa: F401  (fail here, not in the child, if the rollout module is broken)
@@ -222,24 +299,23 @@ if master:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "OMP_NUM_THREADS")
            and not k.startswith("TORCHELASTIC")}
-    if device != "cpu":  # the rollout process takes the first GPU after the trainer ranks' on this node
-        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if local_world >= len(gpus):
-            raise SystemExit(f"error: {local_world} trainer ranks use all {len(gpus)} GPUs of this node and vLLM needs "
-                             f"one more: use --nproc_per_node={len(gpus) - 1}")
-        env["CUDA_VISIBLE_DEVICES"] = gpus[local_world]
+    if device != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(rollout_gpus)
     if rollout_cpus:
         env.update(VLLM_CPU_OMP_THREADS_BIND=rollout_cpus, OMP_NUM_THREADS=str(len(rollout_affinity)))
     proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout.py"),
                              json.dumps(config)], env=env, preexec_fn=lambda: os.sched_setaffinity(0, rollout_affinity))
 
     def check_alive():
+        if stop_signal:
+            raise Stopped()
         if proc.poll() is not None:
             raise RuntimeError(f"the rollout process (pid {proc.pid}) exited with code {proc.returncode}; "
                                "its own error is printed above")
 
-    discarded = 0
+    discarded = 0  # since this run started (the rollout process counts its admissions from there too)
+    consumed = set(ckpt.get("done", []))  # prompt stream positions taken out of the buffer, trained or discarded
+    stream_next = ckpt.get("next", 0)  # ... and every position below this one
 
     def on_discard(n):  # tell the rollout process a group was discarded, so it can admit a replacement
         global discarded
@@ -264,34 +340,59 @@ if master:
         except Exception as e:
             buffer.fail(f"lost the rollout process: {e}")
 
-    log = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    kept = [line for line in open(metrics_path) if json.loads(line)["step"] < start] \
+        if resume and os.path.exists(metrics_path) else []
+    log = open(metrics_path, "w")  # a fresh run, a fresh log; a resumed one keeps what led up to its checkpoint
+    log.writelines(kept)
 
     def log_eval(e):
         print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} (n={e['eval_n']})", flush=True)
         log.write(json.dumps({"step": e["version"], "version": e["version"], "eval_accuracy": e["eval_accuracy"],
                               "eval_n": e["eval_n"], "elapsed_s": e["elapsed_s"]}) + "\n")
 
-samples = gen_tokens = step = skipped_steps = bad_in_a_row = 0
-t_start = time.perf_counter()
+    def resume_state():  # what rank 0 needs to continue exactly where this version left off
+        global stream_next
+        while stream_next in consumed:
+            consumed.remove(stream_next)
+            stream_next += 1
+        return {"next": stream_next, "done": sorted(consumed), "samples": samples, "gen_tokens": gen_tokens,
+                "elapsed_s": time.perf_counter() - t_start, "dropped": [buffer.dropped_stale, buffer.dropped_flat]}
+
+    buffer.dropped_stale, buffer.dropped_flat = ckpt.get("dropped", [0, 0])
+samples, gen_tokens = ckpt.get("samples", 0), ckpt.get("gen_tokens", 0)
+skipped_steps = bad_in_a_row = 0
+version = step = start
+t_start = time.perf_counter() - ckpt.get("elapsed_s", 0.0)
 try:
     if master:
         try:
             ctl, traj, store = sync.connect(rollout_host, rollout_port, 0, device, timeout_s, check_alive)
         except (RuntimeError, TimeoutError) as e:  # port taken, or the rollout process died while starting
             die(str(e))
-        sync.send_obj(ctl, meta, 1, device)
+        sync.send_obj(ctl, {"meta": meta, "version": start, "next": stream_next, "done": sorted(consumed)}, 1, device)
         threading.Thread(target=receive, daemon=True).start()
-    for step in range(max_steps):
+    if start > 0:  # resumed: the rollout process generates from the checkpointed weights
+        if master:
+            sync.send_header(ctl, start, 0, has_weights=True, device=device)
+        sync.send_weights(ctl if master else None, full_weights(), buckets, getattr(torch, rollout_dtype), device)
+    for step in range(start, max_steps):
         version = step
         # ---- 1. a batch: generated by the rollout process while we trained the previous one ----
         t0 = time.perf_counter()
-        if master:
-            groups, seen, t_wait = buffer.get(version, batch_groups, check_alive)
-            shards = buf.split(groups, world)
-        else:
-            shards = None
+        shards = None  # rank 0 sends None to every rank to stop the run at this step boundary
+        if master and not stop_signal:
+            try:
+                groups, seen, t_wait = buffer.get(version, batch_groups, check_alive)
+                shards = buf.split(groups, world)
+            except Stopped:
+                pass
         box = [shards]
         dist.broadcast_object_list(box, src=0)
+        if box[0] is None:  # Ctrl-C or SIGTERM: stop between two steps, where the state is whole
+            if ckpt_every:
+                save_checkpoint(version, resume_state() if master else None)
+            raise Stopped()
         mine = box[0][rank]
         t_wait = time.perf_counter() - t0 if not master else t_wait
         # ---- 2. loss and one optimizer step ----
@@ -362,15 +463,21 @@ try:
                  "train_tokens_per_s": (sums[3] + sums[5]).item() / t_train, "skipped_steps": skipped_steps,
                  "samples": samples, "gen_tokens": gen_tokens, "t_wait_s": t_wait, "t_train_s": t_train,
                  "t_sync_s": t_sync, "elapsed_s": time.perf_counter() - t_start,
+                 "prompts": sorted(g["pos"] for g in groups),  # prompt stream positions trained in this step
                  "trainer_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **rollout_stats}
             print(f"step {step:4d} | reward {m['reward_mean']:.3f} | acc {m['accuracy']:.3f} | "
                   f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} | {m['train_tokens_per_s']:.0f} tok/s | "
                   f"wait {t_wait:.2f}s train {t_train:.2f}s sync {t_sync:.2f}s", flush=True)
+            consumed.update(g["pos"] for g in seen)
             log.write(json.dumps(m) + "\n")
             while evals:
                 log_eval(evals.pop(0))
             log.flush()
+        if ckpt_every and version % ckpt_every == 0:
+            save_checkpoint(version, resume_state() if master else None)
     # ---- the end: the final eval, the model in Hugging Face format ----
+    if ckpt_every and version % ckpt_every:
+        save_checkpoint(version, resume_state() if master else None)
     full = {name: t.cpu() for name, t in full_weights()}
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
@@ -388,6 +495,11 @@ try:
         except ImportError:  # matplotlib is optional
             pass
         proc.wait(timeout=timeout_s)
+except Stopped:
+    if master:
+        saved = f"; checkpoint at version {version} in {ckpt_path}, continue with --resume" if ckpt_every else ""
+        print(f"stopped by {signal.Signals(stop_signal).name} at step {step}{saved}", file=sys.stderr, flush=True)
+    sys.exit(128 + stop_signal)
 except Exception as e:
     if not master:
         raise

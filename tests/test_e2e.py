@@ -1,7 +1,7 @@
 """The real thing on the tiny model: torchrun, trainer ranks, one vLLM rollout process, the process groups between
-them. Also the config errors a user sees before anything starts."""
+them. Also what a user sees when things go wrong: config errors before anything starts, a dead peer, a signal, a
+checkpoint and an exact resume."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -9,22 +9,55 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from conftest import ROOT, free_port
 
 KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max mixed_version_frac dropped_stale "
         "dropped_flat loss clip_frac grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s elapsed_s").split()
+SYNC = ("--max_staleness=0", "--eval_every=0")
 
 
-def train(tmp_path, *overrides, nproc=1, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={free_port()}", *overrides]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    left = [q.pid for q in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
-    assert not left, f"processes left behind: {left}"
+def command(out, *overrides, nproc=1):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            "train.py", "config/tiny.py", f"--out_dir={out}", f"--rollout_port={free_port()}", *overrides]
+
+
+def ours(out):
+    """Every process of the run writing to `out` (torchrun, trainer ranks, the rollout process) still alive."""
+    return [q for q in psutil.process_iter(["cmdline"]) if str(out) in " ".join(q.info["cmdline"] or [])]
+
+
+def metrics(out):
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [m for m in lines if "loss" in m], [m for m in lines if "eval_accuracy" in m]
+
+
+def train(out, *overrides, nproc=1):
+    p = subprocess.run(command(out, *overrides, nproc=nproc), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert not ours(out), "processes left behind"
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    return [m for m in lines if "loss" in m], [m for m in lines if "eval_accuracy" in m], p
+    return (*metrics(out), p)
+
+
+def start(out, *overrides, steps=2):
+    """Launch a long run in the background and return it once `steps` optimizer steps are logged."""
+    p = subprocess.Popen(command(out, "--max_steps=1000", *overrides), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and p.poll() is None:
+        if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= steps:
+            return p
+        time.sleep(0.2)
+    raise AssertionError(f"no {steps} steps within 180 s: " + p.communicate()[1][-3000:])
+
+
+@pytest.fixture(scope="module")
+def sync_run(tiny, tmp_path_factory):
+    """One synchronous 1-rank run, the reference for the 2-rank run and for the kill-and-resume run."""
+    out = tmp_path_factory.mktemp("sync")
+    steps, _, _ = train(out, *SYNC, "--max_steps=6")
+    return out, steps
 
 
 @pytest.mark.parametrize("nproc, eta", [(1, 1), (2, 2)])
@@ -37,6 +70,8 @@ def test_async_run(tiny, tmp_path, nproc, eta):
     assert steps[-1]["samples"] == 6 * 4 * 4 and steps[-1]["gen_tokens"] > 0
     assert max(m["staleness_max"] for m in steps) >= 1  # the rollout really ran ahead of the trainer
     assert [e["version"] for e in evals] == [0, 3, 6] and all(e["eval_n"] == 20 for e in evals)
+    trained = [p for m in steps for p in m["prompts"]]
+    assert len(trained) == len(set(trained)) == 6 * 4  # no prompt trained twice
     config = json.load(open(tmp_path / "train_config.json"))
     assert config["max_staleness"] == eta and config["max_steps"] == 6
     from transformers import AutoModelForCausalLM
@@ -44,15 +79,123 @@ def test_async_run(tiny, tmp_path, nproc, eta):
     assert trained.config.vocab_size == 512
 
 
-def test_synchronous_run_is_on_policy(tiny, tmp_path):
-    steps, _, _ = train(tmp_path, "--max_staleness=0", "--eval_every=0", "--max_steps=5")
-    assert len(steps) == 5
-    for m in steps:
+def test_synchronous_run_is_on_policy(sync_run):
+    _, steps = sync_run
+    assert len(steps) == 6
+    for k, m in enumerate(steps):
         assert m["staleness_max"] == 0 and m["mixed_version_frac"] == 0
-        # every token was sampled by the weights being trained: after 4 weight pushes the trainer's logprobs still
+        assert m["prompts"] == [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3]  # batch k = the stream's k-th four prompts
+        # every token was sampled by the weights being trained: after 5 weight pushes the trainer's logprobs still
         # equal vLLM's (fp32), so the sync and the sampled-distribution logprobs are both right
         assert m["logprob_mismatch"] < 1e-4
     assert steps[-1]["grad_norm"] > 0
+
+
+def test_two_ranks_train_exactly_like_one(sync_run, tmp_path):
+    """FSDP2 over 2 gloo ranks, each with half of every batch and with activation checkpointing, ends at the weights
+    of the plain 1-rank run: the sharded gradient math (token normalisation across ranks, FSDP's gradient averaging)
+    and the recomputation are right."""
+    from transformers import AutoModelForCausalLM
+    one_dir, one = sync_run
+    two, _, _ = train(tmp_path, *SYNC, "--max_steps=6", "--activation_checkpointing", nproc=2)
+    assert [m["prompts"] for m in two] == [m["prompts"] for m in one]
+    assert [m["gen_tokens"] for m in two] == [m["gen_tokens"] for m in one]  # the same samples: same weights in vLLM
+    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=1e-4, abs=1e-6)
+    a, b = AutoModelForCausalLM.from_pretrained(one_dir), AutoModelForCausalLM.from_pretrained(tmp_path)
+    init = AutoModelForCausalLM.from_pretrained(ROOT + "/data/tiny")
+    moved = max((p - q).abs().max().item() for p, q in zip(a.parameters(), init.parameters()))
+    diff = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    assert moved > 1e-3 and diff < 1e-5, (moved, diff)
+
+
+def test_kill_9_then_resume_trains_every_prompt_once(sync_run, tmp_path):
+    """Everything is SIGKILLed mid-run; --resume continues from the last checkpoint and, step for step, trains the
+    very prompts the uninterrupted run trained. Groups generated after the checkpoint are simply generated again."""
+    p = start(tmp_path, *SYNC, "--ckpt_every=2", steps=4)
+    for q in ours(tmp_path):
+        q.kill()
+    p.wait(timeout=30)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["version"] >= 2 and ckpt["version"] % 2 == 0 and not (tmp_path / "ckpt.pt.tmp").exists()
+    steps, _, out = train(tmp_path, *SYNC, "--max_steps=6", "--ckpt_every=2", "--resume")
+    assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]  # the log was cut back to the checkpoint
+    assert [m["prompts"] for m in steps] == [m["prompts"] for m in sync_run[1]]
+    assert steps[-1]["samples"] == 6 * 4 * 4
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_within_seconds_with_a_checkpoint(tiny, tmp_path, sig):
+    p = start(tmp_path, "--eval_every=0", "--ckpt_every=1000")  # asynchronous; checkpoints only on the way out
+    t0 = time.time()
+    p.send_signal(sig)  # what Ctrl-C or a scheduler's kill does to torchrun
+    _, err = p.communicate(timeout=60)
+    took = time.time() - t0
+    print(f"\n{sig.name} to torchrun: everything gone {took:.1f} s later, checkpoint written")
+    assert p.returncode != 0 and took < 20, (took, err[-3000:])
+    assert f"stopped by {sig.name} at step" in err and "continue with --resume" in err
+    assert not ours(tmp_path)
+    done, _ = metrics(tmp_path)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["version"] == len(done)
+    if sig == signal.SIGTERM:  # resume the asynchronous run: nothing trained twice, nothing before the mark skipped
+        steps, _, _ = train(tmp_path, "--eval_every=0", f"--max_steps={len(done) + 3}", "--resume")
+        trained = [p for m in steps for p in m["prompts"]]
+        assert [m["version"] for m in steps] == list(range(1, len(done) + 4))
+        assert len(trained) == len(set(trained)) == 4 * len(steps)
+        assert len(set(range(ckpt["next"])) - set(trained)) <= ckpt["dropped"][0]  # only stale drops are missing
+
+
+def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_path):
+    p = start(tmp_path, "--eval_every=0", "--timeout_s=30")
+    rollout = [q for q in ours(tmp_path) if "rollout.py" in " ".join(q.cmdline())]
+    assert len(rollout) == 1
+    t0 = time.time()
+    rollout[0].send_signal(signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    took = time.time() - t0
+    print(f"\nrollout process SIGKILLed: trainer exited {took:.1f} s later")
+    assert p.returncode != 0
+    assert f"the rollout process (pid {rollout[0].pid}) exited with code -9" in err
+    assert took < 20, took
+    assert not ours(tmp_path)
+
+
+def test_a_killed_trainer_takes_the_rollout_process_down(tiny, tmp_path):
+    p = start(tmp_path, "--eval_every=0", "--timeout_s=30")
+    procs = ours(tmp_path)
+    rank0 = [q for q in procs if "train.py" in q.cmdline() and "torch.distributed.run" not in q.cmdline()]
+    rollout = [q for q in procs if "rollout.py" in " ".join(q.cmdline())]
+    assert len(rank0) == 1 and len(rollout) == 1, [q.cmdline()[:3] for q in procs]
+    t0 = time.time()
+    rank0[0].kill()
+    rollout[0].wait(timeout=30)
+    took = time.time() - t0
+    p.communicate(timeout=60)
+    print(f"\ntrainer rank 0 SIGKILLed: rollout process gone {took:.1f} s later, torchrun {time.time() - t0:.1f} s")
+    assert p.returncode != 0 and took < 5, took  # torchrun reports the failure
+    assert not ours(tmp_path)
+
+
+def test_nan_gradients_skip_steps_then_stop(tiny, tmp_path):
+    # lr=1e30 takes one finite but absurd step; the next forward passes overflow, their gradients are NaN
+    p = subprocess.run(command(tmp_path, "--lr=1e30", "--max_bad_steps=2", "--eval_every=0", "--max_steps=20"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "optimizer step skipped" in p.stderr
+    assert "2 optimizer steps in a row had a NaN/inf gradient" in p.stderr
+    steps, _ = metrics(tmp_path)
+    assert steps[-1]["skipped_steps"] >= 1
+    assert not ours(tmp_path)
+
+
+def test_prompts_too_long_are_skipped_and_counted(tiny, tmp_path):
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(40)]
+    rows += [{"question": "What is " + "1 + " * 100 + "1?", "answer": "101"} for _ in range(10)]  # > max_model_len
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps, _, _ = train(tmp_path / "out", "--task=gsm8k", f"--data_path={data}", "--eval_n=5", "--eval_every=0",
+                        "--max_steps=3")
+    assert len(steps) == 3 and steps[-1]["skipped_long"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -63,43 +206,35 @@ def test_synchronous_run_is_on_policy(tiny, tmp_path):
     (["config/nope.py"], "config file 'config/nope.py' not found"),
     (["--max_staleness=-1"], "max_staleness=-1 must be >= 0"),
     (["--model=data/missing"], "model 'data/missing' is not a Hugging Face model folder"),
+    (["--task=gsm8k"], "task 'gsm8k' needs --data_path=FILE.jsonl"),
+    (["--task=gsm8k", "--data_path=data/none.jsonl"], "data_path 'data/none.jsonl' not found"),
+    (["--task=poetry"], "unknown task 'poetry'"),
+    (["--resume", "--out_dir=out/never-written"], "--resume: no checkpoint at out/never-written/ckpt.pt"),
 ])
-def test_bad_config_is_rejected_clearly(args, message):
+def test_bad_config_is_rejected_clearly(tiny, args, message):
     p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def test_bad_files_are_rejected_clearly(tiny, tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertForMaskedLM"]}')
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "q", "answer": "1"}\n{"question": "no answer"}\n')
+    for args, message in [([f"--model={tmp_path}/bert"], "is a 'BertForMaskedLM' model, not a causal language model"),
+                          (["--task=gsm8k", f"--data_path={data}"], f"{data}:2: expected a JSON object")]:
+        p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_batch_must_split_over_ranks(tiny, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "train.py", "config/tiny.py", "--batch_groups=3", f"--out_dir={tmp_path}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(command(tmp_path, "--batch_groups=3", nproc=2), cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
     assert p.returncode != 0
     assert "batch_groups=3 is not divisible by the 2 trainer ranks" in p.stderr
-
-
-def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={free_port()}", "--max_steps=1000",
-           "--eval_every=0", "--timeout_s=30"]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 180
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
-        time.sleep(0.5)
-    assert p.poll() is None, p.communicate()[1][-3000:]
-    rollout = [q for q in psutil.process_iter(["cmdline"])
-               if "rollout.py" in " ".join(q.info["cmdline"] or []) and str(tmp_path) in " ".join(q.info["cmdline"])]
-    assert len(rollout) == 1
-    t0 = time.time()
-    rollout[0].send_signal(signal.SIGKILL)
-    _, err = p.communicate(timeout=60)
-    took = time.time() - t0
-    assert p.returncode != 0
-    assert f"the rollout process (pid {rollout[0].pid}) exited with code -9" in err
-    assert took < 20, took
-    assert not [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
 
 
 def test_a_taken_rollout_port_is_a_clear_error(tiny, tmp_path):
@@ -108,10 +243,9 @@ def test_a_taken_rollout_port_is_a_clear_error(tiny, tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-               "train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={port}", "--timeout_s=20"]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(command(tmp_path, "--timeout_s=20", f"--rollout_port={port}"), cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)  # the later --rollout_port wins
     assert p.returncode != 0
     assert f"cannot open the trainer<->rollout store on 127.0.0.1:{port}" in p.stderr
     assert "--rollout_port=PORT" in p.stderr
-    assert not [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
+    assert not ours(tmp_path)
