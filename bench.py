@@ -13,7 +13,8 @@ Ratios, each measured side by side in one invocation (absolute times are noise o
                       broadcast of a flat buffer of the same bytes on the same kind of group
   rollout_pause_share time the engine spends loading weights / time it spends generating
   rollout_efficiency  vLLM tokens/s inside the training loop (over the time it generates or loads) / standalone vLLM
-                      generating the same prompts with the same sampling settings and concurrency
+                      generating the same prompts with the same sampling settings, (eta + 1) * batch_groups groups at
+                      once: the most that admission control lets the rollout process have in flight
   trainer_idle_share  share of the asynchronous trainer's wall-clock spent waiting for data
 The first `warmup` steps (engine start, first batch) are left out of every average.
 """
@@ -25,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1"]),
-           "smollm": ("config/smollm_cpu.py", ["--max_steps=5"])}
+           "smollm": ("config/smollm_cpu.py", ["--max_steps=4", "--batch_groups=4"])}  # half the demo's batch: < 10 min
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 
@@ -192,6 +193,8 @@ if __name__ == "__main__":
         t_train = mean([r["t_train_s"] + r["t_sync_s"] for r in sync_rows[warmup:]])
         last = async_rows[-1]
         in_loop = last["rollout_tokens"] / (last["rollout_engine_s"] + last["rollout_load_s"])
+        cfg = json.load(open(os.path.join(ROOT, "out/bench", name, "train_config.json")))
+        in_flight = min(cfg["rollout_groups"], (cfg["max_staleness"] + 1) * cfg["batch_groups"])
         bucketed, raw, nbytes = weight_sync(json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
                                                                          "train_config.json")))["model"],
                                             float(args.get("bucket_mb", 64)))
@@ -199,7 +202,7 @@ if __name__ == "__main__":
              "overlap_bound": (t_gen + t_train) / max(t_gen, t_train),
              "sync_ratio": bucketed / raw, "sync_s": bucketed, "sync_raw_s": raw, "weight_mb": nbytes / 2**20,
              "rollout_pause_share": last["rollout_load_s"] / last["rollout_engine_s"],
-             "rollout_efficiency": in_loop / standalone_rollout(name, 64), "rollout_tokens_per_s": in_loop,
+             "rollout_efficiency": in_loop / standalone_rollout(name, in_flight), "rollout_tokens_per_s": in_loop,
              "trainer_idle_share": sum(r["t_wait_s"] for r in steady) / sum(r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"]
                                                                             for r in steady),
              "trainer_tokens_per_s": mean([r["train_tokens_per_s"] for r in steady]),

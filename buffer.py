@@ -6,8 +6,9 @@ A receiver thread put()s groups as they arrive from the rollout process; the tra
   - stale groups: trained now at version v, a group whose oldest token came from version < v - max_staleness;
   - flat groups (optional): every completion got the same reward, so every advantage is 0 and the group would only
     cost compute.
-Each discard is reported through on_discard so the rollout process can start a replacement (its admission control
-counts groups the trainer has not yet accounted for).
+Each stale discard is reported through on_discard so the rollout process can start a replacement (its admission
+control counts groups the trainer has not yet accounted for). Flat groups are not reported: the rollout process graded
+them itself and started their replacements the moment they finished, without waiting for the trainer to notice.
 
 Simplifications: first in, first out; no priority, no replay, no cap on memory beyond what admission control bounds.
 """
@@ -54,7 +55,6 @@ class Buffer:
                 self.on_discard(1)
             elif self.drop_flat and is_flat(group):
                 self.dropped_flat += 1
-                self.on_discard(1)
             else:
                 batch.append(group)
         return batch, seen, waited

@@ -9,7 +9,8 @@ The loop drives vLLM one engine step at a time (continuous batching) and between
   2. admits new prompt groups while staleness allows: the trainer trains batch k (k = 0, 1, ...) at version k, so a
      group started at version v is at most max_staleness old when trained iff fewer than
      (v - v0 + max_staleness + 1) * batch_groups groups have been admitted since the run started at version v0
-     (0, or a checkpoint's), not counting groups the trainer discarded.
+     (0, or a checkpoint's), not counting discarded groups: flat ones (with drop_flat) it counts itself as it
+     grades them, so their replacements start at once; stale ones the trainer reports.
      max_staleness = 0 is the synchronous baseline: generate one batch, wait for the next weights, repeat;
   3. grades finished groups (reward.py) and sends them to the trainer, with the sampled tokens' logprobs under the
      distribution that was actually sampled (logprobs_mode="processed_logprobs": log_softmax(logits / T)).
@@ -79,6 +80,7 @@ def main(cfg):
     from vllm.sampling_params import RequestOutputKind
     import reward
     import sync
+    from buffer import is_flat
 
     try:  # die with trainer rank 0, whatever killed it
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -132,7 +134,7 @@ def main(cfg):
             k += 1
 
     prompts = stream(start["next"])
-    discarded, admitted = 0, 0  # since this process started: the trainer counts discards from there too
+    discarded, admitted, flat = 0, 0, 0  # since this process started: the trainer counts discards from there too
     pending = None  # newest weights received and not loaded yet
     inflight, evals = {}, {}  # request id -> (problem, version at admission); eval request id -> problem
     eval_correct, eval_n = 0, 0
@@ -185,7 +187,7 @@ def main(cfg):
             if cfg["eval_every"] > 0 and (version % cfg["eval_every"] == 0 or version == cfg["max_steps"]):
                 start_eval()
         # 2. admission control: bounded staleness
-        while len(inflight) < cfg["rollout_groups"] and admitted - discarded < (version - v0 + eta + 1) * B:
+        while len(inflight) < cfg["rollout_groups"] and admitted - flat - discarded < (version - v0 + eta + 1) * B:
             pos, problem = next(prompts)
             ids = encode(problem)
             if ids is None:
@@ -224,6 +226,7 @@ def main(cfg):
                 completions.append({"ids": list(c.token_ids), "reward": r, "spans": spans,
                                     "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                                     "version_min": min(v for v, *_ in spans), "version_max": max(v for v, *_ in spans)})
+            flat += cfg["drop_flat"] and is_flat({"completions": completions})  # the trainer will skip it
             counters["rollout_tokens"] += sum(len(c["ids"]) for c in completions)
             counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             sync.send_obj(traj, {"kind": "group", "pos": pos, "prompt_id": problem["id"], "prompt_ids": encode(problem),

@@ -96,7 +96,7 @@ def send_weights(pg, full_tensors, buckets, dtype, device="cpu"):
     """Trainer side. full_tensors yields (name, tensor) in the planned order, one tensor at a time, so a sharded
     model is gathered bucket by bucket and never held twice in full. Every trainer rank must drive the iterator
     (gathering a sharded tensor is a collective); only rank 0 passes a group and sends."""
-    it = iter(full_tensors)
+    it, sending = iter(full_tensors), None
     for bucket in buckets:
         flat = torch.empty(sum(n for *_, n in bucket), dtype=dtype, device=device) if pg is not None else None
         for name, shape, off, n in bucket:
@@ -104,8 +104,12 @@ def send_weights(pg, full_tensors, buckets, dtype, device="cpu"):
             assert got == name, f"weight order changed: expected {name}, got {got}"
             if flat is not None:
                 flat[off:off + n].copy_(t.reshape(-1))
-        if pg is not None:
-            pg.broadcast(flat, 0).wait()
+        if pg is not None:  # this bucket goes out while the next one is gathered and packed
+            if sending is not None:
+                sending.wait()
+            sending = pg.broadcast(flat, 0)
+    if sending is not None:
+        sending.wait()
 
 
 def recv_header(pg, device="cpu"):
@@ -117,9 +121,11 @@ def recv_header(pg, device="cpu"):
 
 def recv_weights(pg, buckets, dtype, device="cpu"):
     """Rollout side: receive every bucket into a fresh buffer; returns [(name, view)] ready for a reload."""
-    out = []
-    for bucket in buckets:
+    out, works = [], []
+    for bucket in buckets:  # every receive posted at once: the buckets arrive back to back
         flat = torch.empty(sum(n for *_, n in bucket), dtype=dtype, device=device)
-        pg.broadcast(flat, 0).wait()
+        works.append(pg.broadcast(flat, 0))
         out += [(name, flat[off:off + n].view(shape)) for name, shape, off, n in bucket]
+    for w in works:
+        w.wait()
     return out

@@ -187,7 +187,8 @@ try:  # the rollout process loads the task too; a bad dataset is cheaper to repo
     reward.load_task(config)
 except (OSError, ValueError, KeyError) as e:
     die(str(e))
-if device != "cpu":  # the rollout process takes the tensor_parallel_size GPUs after the trainer ranks' on this node
+# the first node hosts vLLM: the rollout process takes the tensor_parallel_size GPUs after that node's trainer ranks'
+if device != "cpu" and os.environ.get("GROUP_RANK", "0") == "0":
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     rollout_gpus = gpus[local_world:local_world + tensor_parallel_size]
