@@ -38,7 +38,7 @@ import threading
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported: engine and model stay here
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat by the dozen; set it to see them
 
 
 def receive(ctl, buckets, dtype, device, inbox):
@@ -229,7 +229,7 @@ def main(cfg):
             flat += cfg["drop_flat"] and is_flat({"completions": completions})  # the trainer will skip it
             counters["rollout_tokens"] += sum(len(c["ids"]) for c in completions)
             counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            sync.send_obj(traj, {"kind": "group", "pos": pos, "prompt_id": problem["id"], "prompt_ids": encode(problem),
+            sync.send_obj(traj, {"kind": "group", "pos": pos, "prompt_ids": encode(problem),
                                  "completions": completions, "version_min": min(c["version_min"] for c in completions),
                                  "version_max": max(c["version_max"] for c in completions), **counters}, 0, device)
 

@@ -8,7 +8,9 @@ one extra process, rollout.py, which owns vLLM and generates all the time. Per o
   2. computes the staleness-clipped GRPO loss (loss.py) in micro-batches and steps the optimizer,
   3. pushes the new weights to the rollout process (sync.py), which loads them between two engine steps,
   4. logs one line and one JSON object to {out_dir}/metrics.jsonl.
-Version k = the weights after k optimizer steps; batch k is trained at version k.
+Version k = the weights after k optimizer steps; batch k is trained at version k. With ckpt_every, {out_dir}/ckpt.pt
+holds the weights, AdamW, the version and the prompt stream position; --resume goes on from it exactly. Ctrl-C or
+SIGTERM stops every rank at the next step boundary, after writing that checkpoint.
 
 Simplifications: one optimizer step per batch; AdamW at a constant learning rate; micro-batches of whole groups
 (padded, not packed); rank 0 alone talks to the rollout process and deals each batch out to the other ranks.
@@ -273,8 +275,6 @@ def token_versions(completion):
 
 def pad(rows, width):
     return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], device=device)
-
-
 
 
 class Stopped(Exception):

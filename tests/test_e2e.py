@@ -113,10 +113,13 @@ def test_kill_9_then_resume_trains_every_prompt_once(sync_run, tmp_path):
     very prompts the uninterrupted run trained. Groups generated after the checkpoint are simply generated again."""
     p = start(tmp_path, *SYNC, "--ckpt_every=2", steps=4)
     for q in ours(tmp_path):
-        q.kill()
+        try:
+            q.kill()
+        except psutil.NoSuchProcess:  # the rollout process may already have died with rank 0
+            pass
     p.wait(timeout=30)
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert ckpt["version"] >= 2 and ckpt["version"] % 2 == 0 and not (tmp_path / "ckpt.pt.tmp").exists()
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # whole, even if the kill hit a write (ckpt.pt.tmp)
+    assert ckpt["version"] >= 2 and ckpt["version"] % 2 == 0
     steps, _, out = train(tmp_path, *SYNC, "--max_steps=6", "--ckpt_every=2", "--resume")
     assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]  # the log was cut back to the checkpoint
     assert [m["prompts"] for m in steps] == [m["prompts"] for m in sync_run[1]]
