@@ -21,13 +21,16 @@ Simplifications: one optimizer step per batch (so no separate "old policy" pass)
 policy uses the k3 estimator per token.
 """
 import torch
+from transformers import DynamicCache
 
 
-def token_logprobs(net, groups, temperature, device):
+def token_logprobs(net, groups, temperature, device, max_pad=1.25):
     """Logprobs of every completion token of these groups under net, at the sampling temperature -> (logp, mask),
     [completions, longest completion], rows in group order. Each prompt runs once and its KV cache is shared by the
     group's completions (for short answers that halves the tokens); only completion positions reach the output
-    layer. Prompts are left-padded, completions right-padded."""
+    layer. Completions then run in chunks of similar length (longest first, a chunk's padded area at most max_pad
+    times its real tokens): padding is computed like any token, and one rambling answer would otherwise pad every
+    row to its length. Prompts are left-padded, completions right-padded."""
     n = len(groups[0]["completions"])
     prompts = [g["prompt_ids"] for g in groups]
     comps = [c["ids"] for g in groups for c in g["completions"]]
@@ -41,18 +44,32 @@ def token_logprobs(net, groups, temperature, device):
     pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
     out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0), use_cache=True,
               logits_to_keep=1)
-    logits = out.logits[:, -1:].repeat_interleave(n, 0)  # the prompt's last position predicts completion token 0
-    if T > 1:
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        pmask = pmask.repeat_interleave(n, 0)
-        pos = pmask.sum(1, keepdim=True) + torch.arange(T - 1, device=device)
-        rest = net(input_ids=cids[:, :-1], attention_mask=torch.cat([pmask, cmask[:, :-1]], 1), position_ids=pos,
-                   past_key_values=cache).logits
-        logits = torch.cat([logits, rest], 1)
-    logits = logits.float() / temperature
-    logp = logits.gather(-1, cids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-    return logp, cmask
+    first = out.logits[:, -1:].repeat_interleave(n, 0)  # the prompt's last position predicts completion token 0
+    chunks, order = [], sorted(range(len(comps)), key=lambda i: -len(comps[i]))
+    for i in order:
+        c = chunks[-1] if chunks else None
+        if c and (len(c) + 1) * len(comps[c[0]]) <= max_pad * (sum(len(comps[j]) for j in c) + len(comps[i])):
+            c.append(i)
+        else:
+            chunks.append([i])
+    pieces = []
+    for rows in chunks:
+        idx, Tc = torch.tensor(rows, device=device), len(comps[rows[0]])
+        logits = first[idx]
+        if Tc > 1:  # a fresh cache holding these rows' prompts; the forward appends the completion to it
+            cache = DynamicCache()
+            for layer, kv in enumerate(out.past_key_values.layers):
+                cache.update(kv.keys[idx // n], kv.values[idx // n], layer)
+            pm = pmask[idx // n]
+            pos = pm.sum(1, keepdim=True) + torch.arange(Tc - 1, device=device)
+            rest = net(input_ids=cids[idx, :Tc - 1], attention_mask=torch.cat([pm, cmask[idx, :Tc - 1]], 1),
+                       position_ids=pos, past_key_values=cache).logits
+            logits = torch.cat([logits, rest], 1)
+        logits = logits.float() / temperature
+        lp = logits.gather(-1, cids[idx, :Tc].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+        pieces.append(torch.nn.functional.pad(lp, (0, T - Tc)))
+    logp = torch.cat(pieces)[torch.tensor(order, device=device).argsort()]  # back to group order
+    return logp * cmask, cmask
 
 
 def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):

@@ -65,3 +65,29 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
     assert grpo_loss(logp, ref_logp=logp.clone(), **args)[0].item() == pytest.approx(0.0)
     d = -0.3  # k3 = exp(d) - d - 1 per token
     assert grpo_loss(logp, ref_logp=logp + d, **args)[0].item() == pytest.approx(0.5 * (torch.exp(torch.tensor(d)) - d - 1).item())
+
+
+def test_token_logprobs_equal_one_sequence_at_a_time(tiny):
+    """The shared prompt cache, the padding and the length chunks change nothing: every row equals a plain forward
+    of prompt + completion alone, in group order, zero on padding; and gradients flow."""
+    from transformers import AutoModelForCausalLM
+    from loss import token_logprobs
+    model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(5, model.config.vocab_size, (n,), generator=g).tolist()
+    lens = [[1, 17, 3, 30], [9, 2, 30, 30]]  # several chunks, a one-token answer, two prompt lengths
+    groups = [{"prompt_ids": ids(7 + 4 * i), "completions": [{"ids": ids(n)} for n in ls]} for i, ls in enumerate(lens)]
+    logp, mask = token_logprobs(model, groups, 0.7, "cpu")
+    assert logp.shape == (8, 30) and mask.sum() == sum(map(sum, lens))
+    row = 0
+    for grp in groups:
+        for c in grp["completions"]:
+            p, n = grp["prompt_ids"], len(c["ids"])
+            with torch.no_grad():
+                logits = model(torch.tensor([p + c["ids"]])).logits[0, len(p) - 1:-1] / 0.7
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c["ids"])[:, None])[:, 0]
+            assert torch.allclose(logp[row, :n].detach(), want, atol=1e-5), row
+            assert (logp[row, n:] == 0).all() and (mask[row, n:] == 0).all() and (mask[row, :n] == 1).all()
+            row += 1
+    logp.sum().backward()
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
