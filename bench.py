@@ -25,8 +25,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1"]),
-           "smollm": ("config/smollm_cpu.py", ["--max_steps=4", "--batch_groups=4"])}  # half the demo's batch: < 10 min
+# lr=0: the weights still go through AdamW and on to vLLM every step, but the policy stays put, so the synchronous and
+# the asynchronous run generate answers of the same lengths and do the same work per sample (learning would shorten
+# the answers at a different pace in each run, and per-sample times would compare different work)
+CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1", "--lr=0.0"]),
+           "smollm": ("config/smollm_cpu.py", ["--max_steps=4", "--batch_groups=4", "--lr=0.0"])}  # half the demo's batch
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 
