@@ -189,6 +189,9 @@ if __name__ == "__main__":
         sys.exit(trainer_only())
     results, table = {}, []
     for name in args.get("configs", "tiny,smollm").split(","):
+        # the config's model, made offline once (a no-op when it is there already)
+        subprocess.run([sys.executable, "prepare.py", {"tiny": "tiny", "smollm": "smollm2"}[name]], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
         sync_rows = train(name, "--max_staleness=0")
         async_rows = train(name)
         steady = async_rows[warmup:]
