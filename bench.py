@@ -28,14 +28,17 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # lr=0: the weights still go through AdamW and on to vLLM every step, but the policy stays put, so the synchronous and
 # the asynchronous run generate answers of the same lengths and do the same work per sample (learning would shorten
 # the answers at a different pace in each run, and per-sample times would compare different work)
-CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1", "--lr=0.0"]),
-           "smollm": ("config/smollm_cpu.py", ["--max_steps=4", "--batch_groups=4", "--lr=0.0"])}  # half the demo's batch
+# name: (config, overrides, the `prepare.py` target that makes its model)
+CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1", "--lr=0.0"],
+                    "tiny"),
+           "smollm": ("config/smollm_cpu.py", ["--max_steps=4", "--batch_groups=4", "--lr=0.0"],  # half the demo's batch
+                      "smollm2")}
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 
 
 def train(name, *overrides):
-    config, base = CONFIGS[name]
+    config, base, _ = CONFIGS[name]
     out = os.path.join(ROOT, "out/bench", name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "metrics.jsonl"), "w").close()
@@ -77,7 +80,7 @@ if __name__ == "__main__":
     outs = llm.generate(prompts, params, use_tqdm=False)
     print(json.dumps({{"tokens_per_s": sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)}}))
 """
-    config, base = CONFIGS[name]
+    config, base, _ = CONFIGS[name]
     cfg = json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0", "train_config.json")))
     path = os.path.join(ROOT, "out/bench", name + "_standalone.json")
     json.dump(cfg, open(path, "w"))
@@ -190,7 +193,7 @@ if __name__ == "__main__":
     results, table = {}, []
     for name in args.get("configs", "tiny,smollm").split(","):
         # the config's model, made offline once (a no-op when it is there already)
-        subprocess.run([sys.executable, "prepare.py", {"tiny": "tiny", "smollm": "smollm2"}[name]], cwd=ROOT, check=True,
+        subprocess.run([sys.executable, "prepare.py", CONFIGS[name][2]], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
         sync_rows = train(name, "--max_staleness=0")
         async_rows = train(name)

@@ -44,18 +44,18 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.25):
     pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
     out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0), use_cache=True,
               logits_to_keep=1)
-    first = out.logits[:, -1:].repeat_interleave(n, 0)  # the prompt's last position predicts completion token 0
     chunks, order = [], sorted(range(len(comps)), key=lambda i: -len(comps[i]))
-    for i in order:
-        c = chunks[-1] if chunks else None
-        if c and (len(c) + 1) * len(comps[c[0]]) <= max_pad * (sum(len(comps[j]) for j in c) + len(comps[i])):
-            c.append(i)
+    for i in order:  # longest first: a chunk's first row sets its padded length
+        if chunks and (len(chunks[-1]) + 1) * len(comps[chunks[-1][0]]) <= max_pad * (real + len(comps[i])):
+            chunks[-1].append(i)
+            real += len(comps[i])
         else:
             chunks.append([i])
+            real = len(comps[i])
     pieces = []
     for rows in chunks:
         idx, Tc = torch.tensor(rows, device=device), len(comps[rows[0]])
-        logits = first[idx]
+        logits = out.logits[idx // n, -1:]  # the prompt's last position predicts completion token 0
         if Tc > 1:  # a fresh cache holding these rows' prompts; the forward appends the completion to it
             cache = DynamicCache()
             for layer, kv in enumerate(out.past_key_values.layers):
