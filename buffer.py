@@ -65,6 +65,17 @@ def is_flat(group):
     return max(rewards) == min(rewards)
 
 
+def worth_a_forward(groups, world_size, keep_flat=False):
+    """The groups the trainer must run. A flat group's advantages are all 0, so (without a KL term) it adds nothing to
+    the gradient, only its tokens to the token mean's denominator: skip it, except as filler so that every rank runs
+    the same number of forward passes (FSDP's collectives need that)."""
+    if keep_flat:
+        return groups
+    live, flat = [g for g in groups if not is_flat(g)], [g for g in groups if is_flat(g)]
+    n = max(1, -(-len(live) // world_size)) * world_size
+    return live + flat[:n - len(live)]
+
+
 def split(groups, world_size):
     """Deal the batch's groups to trainer ranks: rank r gets groups r, r + W, r + 2W, ..."""
     if len(groups) % world_size:

@@ -5,7 +5,7 @@ train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [
 N trainer ranks shard the policy with FSDP2 (one code path for 1 or many ranks, CPU/gloo or GPU/NCCL). Rank 0 starts
 one extra process, rollout.py, which owns vLLM and generates all the time. Per optimizer step, the loop below:
   1. takes a batch of groups from the buffer (the only place it ever waits for generation),
-  2. computes the staleness-clipped GRPO loss (loss.py) in micro-batches and steps the optimizer,
+  2. computes the GRPO loss with truncated importance weights (loss.py) in micro-batches and steps the optimizer,
   3. pushes the new weights to the rollout process (sync.py), which loads them between two engine steps,
   4. logs one line and one JSON object to {out_dir}/metrics.jsonl.
 Version k = the weights after k optimizer steps; batch k is trained at version k. With ckpt_every, {out_dir}/ckpt.pt
@@ -49,9 +49,7 @@ activation_checkpointing = False  # recompute each layer's MLP in the backward p
 max_staleness = 1  # eta: a sample's oldest token may be at most this many versions old; 0 = synchronous
 drop_flat = True  # discard groups whose rewards are all equal (zero advantage, no signal)
 adv_norm_std = False  # divide advantages by the group's reward std
-eps_low = 0.2  # PPO clip below 1
-eps_high = 0.28  # PPO clip above 1 (asymmetric: room for unlikely tokens to grow)
-tis_cap = 3.0  # importance weight cap for negative advantages (dual clip)
+tis_cap = 3.0  # importance weights pi_theta / pi_behaviour above this are truncated to it (loss.py)
 kl_coef = 0.0  # KL(pi || reference) penalty; 0 = no reference model at all
 eval_every = 5  # greedy held-out eval every this many versions (and at the start and end); 0 = off
 eval_n = 100  # held-out problems, never trained on
@@ -386,7 +384,8 @@ try:
         if master and not stop_signal:
             try:
                 groups, seen, t_wait = buffer.get(version, batch_groups, check_alive)
-                shards = buf.split(groups, world)
+                n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"])  # flat groups' tokens too
+                shards = buf.split(buf.worth_a_forward(groups, world, kl_coef > 0), world), n_tok
             except Stopped:
                 pass
         box = [shards]
@@ -395,12 +394,10 @@ try:
             if ckpt_every:
                 save_checkpoint(version, resume_state() if master else None)
             raise Stopped()
-        mine = box[0][rank]
+        mine, n_tok = box[0][0][rank], torch.tensor([float(box[0][1])], device=device)
         t_wait = time.perf_counter() - t0 if not master else t_wait
         # ---- 2. loss and one optimizer step ----
         t0 = time.perf_counter()
-        n_tok = torch.tensor([float(sum(len(c["ids"]) for g in mine for c in g["completions"]))], device=device)
-        dist.all_reduce(n_tok)
         sums = torch.zeros(7, device=device)  # see the names in step 4
         for i in range(0, len(mine), micro_batch_groups):
             mb = mine[i:i + micro_batch_groups]
@@ -413,14 +410,14 @@ try:
             if reference is not None:
                 with torch.no_grad():
                     ref_logp, _ = L.token_logprobs(reference, mb, temperature, device)
-            loss, clipped = L.grpo_loss(logp, behav, adv, mask, n_tok, eps_low, eps_high, tis_cap, ref_logp, kl_coef)
+            loss, trunc = L.grpo_loss(logp, behav, adv, mask, n_tok, tis_cap, ref_logp, kl_coef)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global token mean
             # tokens sampled by the weights trained right now (staleness 0) vs by older ones
             fresh = (pad([token_versions(c) for g in mb for c in g["completions"]], logp.shape[1]) == step) & (mask > 0)
             stale = (mask > 0) & ~fresh
-            mismatch = (logp.detach() - behav).abs()
-            sums += torch.tensor([loss.item(), clipped.sum(), (clipped & fresh).sum(), fresh.sum(), (clipped & stale).sum(),
-                                  stale.sum(), (mismatch * fresh).sum()], device=device)
+            shift = (logp.detach() - behav).abs()  # |log rho|
+            sums += torch.tensor([loss.item(), (trunc & fresh).sum(), fresh.sum(), (trunc & stale).sum(), stale.sum(),
+                                  (shift * fresh).sum(), (shift * stale).sum()], device=device)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         if torch.isfinite(grad_norm):  # the same on every rank: the norm is global
@@ -455,14 +452,17 @@ try:
                  "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                  "mixed_version_frac": sum(c["version_min"] != c["version_max"] for g, c in comps) / len(comps),
                  "dropped_stale": buffer.dropped_stale, "dropped_flat": buffer.dropped_flat,
-                 # off-policy health: the clip's share of fresh and of stale tokens, and the training-inference
-                 # mismatch |log pi_theta - log pi_vllm| on fresh tokens (same weights: numerics only, ~0 in fp32)
-                 "loss": sums[0].item(), "clip_frac": ((sums[2] + sums[4]) / (sums[3] + sums[5])).item(),
-                 "clip_frac_fresh": (sums[2] / sums[3].clamp(min=1)).item(),
-                 "clip_frac_stale": (sums[4] / sums[5].clamp(min=1)).item(),
-                 "stale_token_frac": (sums[5] / (sums[3] + sums[5])).item(),
-                 "logprob_mismatch": (sums[6] / sums[3].clamp(min=1)).item(), "grad_norm": grad_norm.item(),
-                 "train_tokens_per_s": (sums[3] + sums[5]).item() / t_train, "skipped_steps": skipped_steps,
+                 "flat_frac": sum(map(buf.is_flat, groups)) / len(groups),  # in the batch (drop_flat=False), not run
+                 # off-policy health: the training-inference mismatch |log pi_theta - log pi_vllm| on fresh tokens
+                 # (same weights: numerics only, ~0 in fp32), how far the policy has moved from the stale tokens'
+                 # sampler, and the share of fresh and of stale tokens whose importance weight hit tis_cap
+                 "loss": sums[0].item(), "logprob_mismatch": (sums[5] / sums[2].clamp(min=1)).item(),
+                 "logprob_shift_stale": (sums[6] / sums[4].clamp(min=1)).item(),
+                 "trunc_frac": ((sums[1] + sums[3]) / (sums[2] + sums[4])).item(),
+                 "trunc_frac_fresh": (sums[1] / sums[2].clamp(min=1)).item(),
+                 "trunc_frac_stale": (sums[3] / sums[4].clamp(min=1)).item(),
+                 "stale_token_frac": (sums[4] / (sums[2] + sums[4])).item(), "grad_norm": grad_norm.item(),
+                 "train_tokens_per_s": (sums[2] + sums[4]).item() / t_train, "skipped_steps": skipped_steps,
                  "samples": samples, "gen_tokens": gen_tokens, "t_wait_s": t_wait, "t_train_s": t_train,
                  "t_sync_s": t_sync, "elapsed_s": time.perf_counter() - t_start,
                  "prompts": sorted(g["pos"] for g in groups),  # prompt stream positions trained in this step

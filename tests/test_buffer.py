@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from buffer import Buffer, is_flat, split
+from buffer import Buffer, is_flat, split, worth_a_forward
 
 
 def group(version_min, rewards=(1.0, 0.0)):
@@ -63,3 +63,12 @@ def test_split_over_ranks():
     assert split(groups, 1) == [groups]
     with pytest.raises(ValueError, match="cannot be split evenly over 4"):
         split(groups, 4)
+
+
+def test_flat_groups_kept_in_a_batch_cost_no_forward_pass():
+    live, flat = [group(0) for _ in range(3)], [group(0, (1.0, 1.0)), group(0, (0.0, 0.0))]
+    batch = [flat[0], live[0], live[1], flat[1], live[2]]
+    assert worth_a_forward(batch, 1) == live
+    assert worth_a_forward(batch, 2) == live + flat[:1]  # 4 = 2 per rank: every rank runs as many forwards
+    assert worth_a_forward(flat, 1) == flat[:1]  # an all-flat batch still steps (zero gradient, like the others)
+    assert worth_a_forward(batch, 2, keep_flat=True) == batch  # a KL term needs every group

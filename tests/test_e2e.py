@@ -14,7 +14,8 @@ import torch
 from conftest import ROOT, free_port
 
 KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max mixed_version_frac dropped_stale "
-        "dropped_flat loss clip_frac grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s elapsed_s").split()
+        "dropped_flat loss trunc_frac logprob_shift_stale grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s "
+        "elapsed_s").split()
 SYNC = ("--max_staleness=0", "--eval_every=0")
 
 
