@@ -3,13 +3,13 @@ model = "data/smollm2-135m"
 task = "arithmetic"
 out_dir = "out/smollm_cpu"
 max_steps = 10
-batch_groups = 16  # prompts per optimizer step, x group_size samples each
+batch_groups = 8  # groups with reward spread per step (about 14 prompts; flat ones are skipped before counting)
 group_size = 8
 max_new_tokens = 64
 temperature = 0.7
 lr = 2e-5
 max_staleness = 1
-drop_flat = False  # flat groups (all right or all wrong) stay in the batch's token mean but cost no forward pass
+drop_flat = True  # all right or all wrong: no signal (--drop_flat=False keeps them in the token mean, unrun)
 eval_every = 5
 eval_n = 200  # a binomial standard error of ~0.035 at these accuracies
 rollout_groups = 16
