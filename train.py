@@ -456,11 +456,11 @@ try:
                  # off-policy health: the training-inference mismatch |log pi_theta - log pi_vllm| on fresh tokens
                  # (same weights: numerics only, ~0 in fp32), how far the policy has moved from the stale tokens'
                  # sampler, and the share of fresh and of stale tokens whose importance weight hit tis_cap
-                 "loss": sums[0].item(), "logprob_mismatch": (sums[5] / sums[2].clamp(min=1)).item(),
-                 "logprob_shift_stale": (sums[6] / sums[4].clamp(min=1)).item(),
+                 "loss": sums[0].item(), "logprob_mismatch": (sums[5] / sums[2]).item() if sums[2] else None,
+                 "logprob_shift_stale": (sums[6] / sums[4]).item() if sums[4] else None,  # None: no such tokens
                  "trunc_frac": ((sums[1] + sums[3]) / (sums[2] + sums[4])).item(),
-                 "trunc_frac_fresh": (sums[1] / sums[2].clamp(min=1)).item(),
-                 "trunc_frac_stale": (sums[3] / sums[4].clamp(min=1)).item(),
+                 "trunc_frac_fresh": (sums[1] / sums[2]).item() if sums[2] else None,
+                 "trunc_frac_stale": (sums[3] / sums[4]).item() if sums[4] else None,
                  "stale_token_frac": (sums[4] / (sums[2] + sums[4])).item(), "grad_norm": grad_norm.item(),
                  "train_tokens_per_s": (sums[2] + sums[4]).item() / t_train, "skipped_steps": skipped_steps,
                  "samples": samples, "gen_tokens": gen_tokens, "t_wait_s": t_wait, "t_train_s": t_train,
