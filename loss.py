@@ -16,9 +16,9 @@ batch gets one optimizer step, so pi_old = pi_theta when the gradient is taken a
 against pi_behav instead (asymmetric, 0.8..1.28) is not a trust region but a penalty on staleness: the tokens it
 silences are the ones the previous step already moved most, which on the arithmetic task are the few tokens that
 decide the answer. Measured on the CPU demo (eta = 1, two seeds), that clip cut 2.6-2.8% of stale tokens and async
-fell more than its one version of staleness behind sync (mean train reward of steps 1-9: 0.35 and 0.36, against
-0.47 and 0.50 for sync's steps 0-8); with the truncated weight it is one version behind and no more (0.48 and 0.49).
-See README "Off-policy correction: measured".
+fell more than its one version of staleness behind sync (mean train reward of its last nine of ten steps: 0.35 and
+0.36, against 0.47 and 0.50 for sync's first nine); with the truncated weight it is one version behind, no more (0.48
+and 0.49). See README "Off-policy correction: measured".
 
 token_logprobs() scores the sampled tokens under the trainer's model the way the sampler drew them:
 log_softmax(logits / T), the same distribution vLLM reports with logprobs_mode="processed_logprobs".
