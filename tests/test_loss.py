@@ -12,12 +12,12 @@ def test_group_advantages_mean_and_std():
 
 
 def one_token(adv, ratio, **kw):
-    """A single completion token with the given advantage and pi_theta / pi_behav ratio -> (loss, dloss/dlogp, truncated)."""
+    """One completion token with the given advantage and pi_theta / pi_behav ratio -> (loss, dloss/dlogp, truncated)."""
     logp = torch.tensor([[0.0]], requires_grad=True)
     behav = torch.tensor([[-torch.log(torch.tensor(ratio)).item()]])
-    loss, clipped = grpo_loss(logp, behav, torch.tensor([adv]), torch.ones(1, 1), 1.0, **kw)
+    loss, truncated = grpo_loss(logp, behav, torch.tensor([adv]), torch.ones(1, 1), 1.0, **kw)
     loss.backward()
-    return loss.item(), logp.grad.item(), clipped
+    return loss.item(), logp.grad.item(), truncated
 
 
 @pytest.mark.parametrize("adv, ratio, want_loss, want_grad, truncated", [
