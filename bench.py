@@ -29,11 +29,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # the asynchronous run generate answers of the same lengths and do the same work per sample (learning would shorten
 # the answers at a different pace in each run, and per-sample times would compare different work)
 # name: (config, overrides, the `prepare.py` target that makes its model)
-CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1", "--lr=0.0"],
-                    "tiny"),
+# borrow_cpus=False: each side keeps its own core, so the overlap is measured against a fixed split of the machine
+CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1", "--lr=0.0",
+                                       "--borrow_cpus=False"], "tiny"),
            # 4 groups with reward spread per step, the eval on 100 sums: what the README's table measured
            "smollm": ("config/smollm_cpu.py", ["--max_steps=4", "--batch_groups=4", "--drop_flat=True", "--eval_n=100",
-                                               "--lr=0.0"], "smollm2")}
+                                               "--lr=0.0", "--borrow_cpus=False"], "smollm2")}
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 
@@ -71,7 +72,7 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
     llm = LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"], max_model_len=cfg["max_model_len"],
               enforce_eager=cfg["enforce_eager"], logprobs_mode="processed_logprobs",
-              max_num_seqs=cfg["rollout_groups"] * cfg["group_size"])
+              max_num_seqs=cfg["rollout_groups"] * cfg["group_size"], enable_prefix_caching=True, block_size=32)
     tok = llm.get_tokenizer()
     train_set, _ = reward.load_task(cfg)
     prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}} for p in train_set[:{n_prompts}]]

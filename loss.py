@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 
-def token_logprobs(net, groups, temperature, device, max_pad=1.25):
+def token_logprobs(net, groups, temperature, device, max_pad=1.1):
     """Logprobs of every completion token of these groups under net, at the sampling temperature -> (logp, mask),
     [completions, longest completion], rows in group order. Each prompt runs once and its KV cache is shared by the
     group's completions (for short answers that halves the tokens); only completion positions reach the output

@@ -59,6 +59,7 @@ rollout_dtype = "float32"  # vLLM weights and compute
 trainer_dtype = "float32"  # FSDP2 compute dtype (master weights and gradient reduction stay float32)
 trainer_threads = 0  # CPU threads per trainer rank; 0 = leave torchrun's OMP_NUM_THREADS (1) alone
 rollout_cpus = ""  # CPU only: cores for vLLM, e.g. "1" or "2-3"; the trainer ranks keep the others. "" = share all
+borrow_cpus = True  # CPU, one rank: while vLLM waits at the staleness bound, the trainer computes on its cores too
 max_model_len = 512
 kv_cache_gb = 1  # vLLM KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM share of its GPU
@@ -206,11 +207,16 @@ dist.init_process_group("nccl" if device != "cpu" else "gloo", device_id=torch.d
 torch.manual_seed(seed)
 if trainer_threads > 0:
     torch.set_num_threads(trainer_threads)
+base_threads, borrow = torch.get_num_threads(), 0
 rollout_affinity = os.sched_getaffinity(0)
 if device == "cpu" and rollout_cpus:  # disjoint cores, as two GPUs would be: no thread oversubscription
     lo, _, hi = rollout_cpus.partition("-")
     rollout_affinity = set(range(int(lo), int(hi or lo) + 1))
-    os.sched_setaffinity(0, os.sched_getaffinity(0) - rollout_affinity)
+    # vLLM sits idle once it has generated all that staleness allows (about half of each step in the CPU demo); a
+    # lone trainer rank then runs more threads, on vLLM's cores too (the OS keeps it off them while vLLM computes)
+    borrow = len(rollout_affinity) if borrow_cpus and world == 1 else 0
+    if not borrow:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - rollout_affinity)
 master = rank == 0
 
 # the policy: FSDP2 per decoder layer, then the root (embeddings, norm, head)
@@ -323,12 +329,14 @@ if master:
         sync.send_header(ctl, version, discarded, device=device)
 
     buffer = buf.Buffer(max_staleness, drop_flat, on_discard)
-    evals, rollout_stats = [], {}
+    evals, rollout_stats, idle_at = [], {}, None  # idle_at: [version, discarded] when vLLM said it had nothing to do
 
     def receive():  # trajectories and eval results from the rollout process
+        global idle_at
         try:
             while True:
                 msg = sync.recv_obj(traj, 1, device)
+                idle_at = msg.get("idle")
                 rollout_stats.update({k: v for k, v in msg.items() if k.startswith("rollout_") or k in
                                       ("reward_failed", "skipped_long")})
                 if msg["kind"] == "group":
@@ -399,9 +407,12 @@ try:
         t_wait = time.perf_counter() - t0 if not master else t_wait
         # ---- 2. loss and one optimizer step ----
         t0 = time.perf_counter()
-        sums = torch.zeros(7, device=device)  # see the names in step 4
+        sums, borrowed = torch.zeros(7, device=device), 0  # see the names in step 4
         for i in range(0, len(mine), micro_batch_groups):
             mb = mine[i:i + micro_batch_groups]
+            if borrow:  # vLLM is idle until it gets the next weights or a discard notice: use its cores meanwhile
+                borrowed += idle_at == [version, discarded]
+                torch.set_num_threads(base_threads + borrow * (idle_at == [version, discarded]))
             policy.set_requires_gradient_sync(i + micro_batch_groups >= len(mine))
             logp, mask = L.token_logprobs(policy, mb, temperature, device)
             behav = pad([c["logprobs"] for g in mb for c in g["completions"]], logp.shape[1])
@@ -466,6 +477,8 @@ try:
                  "train_tokens_per_s": (sums[2] + sums[4]).item() / t_train, "skipped_steps": skipped_steps,
                  "samples": samples, "gen_tokens": gen_tokens, "t_wait_s": t_wait, "t_train_s": t_train,
                  "t_sync_s": t_sync, "elapsed_s": time.perf_counter() - t_start,
+                 # the share of this step's micro-batches that also ran on vLLM's cores (borrow_cpus)
+                 "borrowed_frac": borrowed / max(len(range(0, len(mine), micro_batch_groups)), 1),
                  "prompts": sorted(g["pos"] for g in groups),  # prompt stream positions trained in this step
                  "trainer_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **rollout_stats}
             print(f"step {step:4d} | reward {m['reward_mean']:.3f} | acc {m['accuracy']:.3f} | "

@@ -15,7 +15,7 @@ from conftest import ROOT, free_port
 
 KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max mixed_version_frac dropped_stale "
         "dropped_flat loss trunc_frac logprob_shift_stale grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s "
-        "elapsed_s").split()
+        "elapsed_s borrowed_frac").split()
 SYNC = ("--max_staleness=0", "--eval_every=0")
 
 
@@ -57,7 +57,7 @@ def start(out, *overrides, steps=2):
 def sync_run(tiny, tmp_path_factory):
     """One synchronous 1-rank run, the reference for the 2-rank run and for the kill-and-resume run."""
     out = tmp_path_factory.mktemp("sync")
-    steps, _, _ = train(out, *SYNC, "--max_steps=6")
+    steps, _, _ = train(out, *SYNC, "--max_steps=6", "--rollout_cpus=1")  # vLLM on core 1, lent while it waits
     return out, steps
 
 
@@ -89,6 +89,8 @@ def test_synchronous_run_is_on_policy(sync_run):
         # every token was sampled by the weights being trained: after 5 weight pushes the trainer's logprobs still
         # equal vLLM's (fp32), so the sync and the sampled-distribution logprobs are both right
         assert m["logprob_mismatch"] < 1e-4
+        # vLLM generated this whole batch and said it waits for the weights being trained: its core was lent
+        assert m["borrowed_frac"] == 1.0
     assert steps[-1]["grad_norm"] > 0
 
 
