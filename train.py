@@ -212,8 +212,8 @@ rollout_affinity = os.sched_getaffinity(0)
 if device == "cpu" and rollout_cpus:  # disjoint cores, as two GPUs would be: no thread oversubscription
     lo, _, hi = rollout_cpus.partition("-")
     rollout_affinity = set(range(int(lo), int(hi or lo) + 1))
-    # vLLM sits idle once it has generated all that staleness allows (about half of each step in the CPU demo); a
-    # lone trainer rank then runs more threads, on vLLM's cores too (the OS keeps it off them while vLLM computes)
+    # vLLM sits idle once it has generated all that staleness allows, until the next weights (a synchronous run's
+    # whole training phase); a lone trainer rank then runs more threads, on vLLM's cores too (borrowed_frac)
     borrow = len(rollout_affinity) if borrow_cpus and world == 1 else 0
     if not borrow:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - rollout_affinity)
