@@ -30,17 +30,18 @@ import torch
 from transformers import DynamicCache
 
 
-def token_logprobs(net, groups, temperature, device, max_pad=1.1):
+def token_logprobs(net, groups, temperature, device, max_pad=1.1, width=0):
     """Logprobs of every completion token of these groups under net, at the sampling temperature -> (logp, mask),
     [completions, longest completion], rows in group order. Each prompt runs once and its KV cache is shared by the
     group's completions (for short answers that halves the tokens); only completion positions reach the output
     layer. Completions then run in chunks of similar length (longest first, a chunk's padded area at most max_pad
     times its real tokens): padding is computed like any token, and one rambling answer would otherwise pad every
-    row to its length. Prompts are left-padded, completions right-padded."""
+    row to its length. Prompts are left-padded, completions right-padded. width > 0: one chunk, every row padded to
+    width (FSDP over several ranks needs the same forward calls on every rank, whatever its completions' lengths)."""
     n = len(groups[0]["completions"])
     prompts = [g["prompt_ids"] for g in groups]
     comps = [c["ids"] for g in groups for c in g["completions"]]
-    P, T = max(map(len, prompts)), max(map(len, comps))
+    P, T = max(map(len, prompts)), max(max(map(len, comps)), width)
     pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T, dtype=torch.long)
     pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
     for i, p in enumerate(prompts):
@@ -52,6 +53,9 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1):
               logits_to_keep=1)
     chunks, order = [], sorted(range(len(comps)), key=lambda i: -len(comps[i]))
     for i in order:  # longest first: a chunk's first row sets its padded length
+        if width:
+            chunks = [order]
+            break
         if chunks and (len(chunks[-1]) + 1) * len(comps[chunks[-1][0]]) <= max_pad * (real + len(comps[i])):
             chunks[-1].append(i)
             real += len(comps[i])
@@ -60,7 +64,7 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1):
             real = len(comps[i])
     pieces = []
     for rows in chunks:
-        idx, Tc = torch.tensor(rows, device=device), len(comps[rows[0]])
+        idx, Tc = torch.tensor(rows, device=device), width or len(comps[rows[0]])
         logits = out.logits[idx // n, -1:]  # the prompt's last position predicts completion token 0
         if Tc > 1:  # a fresh cache holding these rows' prompts; the forward appends the completion to it
             cache = DynamicCache()

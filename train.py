@@ -414,14 +414,18 @@ try:
                 borrowed += idle_at == [version, discarded]
                 torch.set_num_threads(base_threads + borrow * (idle_at == [version, discarded]))
             policy.set_requires_gradient_sync(i + micro_batch_groups >= len(mine))
-            logp, mask = L.token_logprobs(policy, mb, temperature, device)
+            width = torch.tensor([max(len(c["ids"]) for g in mb for c in g["completions"])], device=device)
+            if world > 1:  # FSDP's collectives need the same forward calls on every rank: one chunk, one width
+                dist.all_reduce(width, op=dist.ReduceOp.MAX)
+            width = int(width) if world > 1 else 0
+            logp, mask = L.token_logprobs(policy, mb, temperature, device, width=width)
             behav = pad([c["logprobs"] for g in mb for c in g["completions"]], logp.shape[1])
             adv = torch.cat([L.group_advantages(torch.tensor([c["reward"] for c in g["completions"]], device=device),
                                                 len(g["completions"]), adv_norm_std) for g in mb])
             ref_logp = None
             if reference is not None:
                 with torch.no_grad():
-                    ref_logp, _ = L.token_logprobs(reference, mb, temperature, device)
+                    ref_logp, _ = L.token_logprobs(reference, mb, temperature, device, width=width)
             loss, trunc = L.grpo_loss(logp, behav, adv, mask, n_tok, tis_cap, ref_logp, kl_coef)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global token mean
             # tokens sampled by the weights trained right now (staleness 0) vs by older ones
