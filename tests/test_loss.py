@@ -66,7 +66,8 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
     assert grpo_loss(logp, ref_logp=logp + d, **args)[0].item() == pytest.approx(0.5 * (torch.exp(torch.tensor(d)) - d - 1).item())
 
 
-def test_token_logprobs_equal_one_sequence_at_a_time(tiny):
+@pytest.mark.parametrize("width", [0, 40])  # 40: one chunk padded wider than any completion, as FSDP ranks run it
+def test_token_logprobs_equal_one_sequence_at_a_time(tiny, width):
     """The shared prompt cache, the padding and the length chunks change nothing: every row equals a plain forward
     of prompt + completion alone, in group order, zero on padding; and gradients flow."""
     from transformers import AutoModelForCausalLM
@@ -76,8 +77,8 @@ def test_token_logprobs_equal_one_sequence_at_a_time(tiny):
     ids = lambda n: torch.randint(5, model.config.vocab_size, (n,), generator=g).tolist()
     lens = [[1, 17, 3, 30], [9, 2, 30, 30]]  # several chunks, a one-token answer, two prompt lengths
     groups = [{"prompt_ids": ids(7 + 4 * i), "completions": [{"ids": ids(n)} for n in ls]} for i, ls in enumerate(lens)]
-    logp, mask = token_logprobs(model, groups, 0.7, "cpu")
-    assert logp.shape == (8, 30) and mask.sum() == sum(map(sum, lens))
+    logp, mask = token_logprobs(model, groups, 0.7, "cpu", width=width)
+    assert logp.shape == (8, max(30, width)) and mask.sum() == sum(map(sum, lens))
     row = 0
     for grp in groups:
         for c in grp["completions"]:
