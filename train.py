@@ -13,9 +13,9 @@ holds the weights, AdamW, the version and the prompt stream position; --resume g
 SIGTERM stops every rank at the next step boundary, after writing that checkpoint.
 
 Simplifications: one optimizer step per batch; AdamW at a constant learning rate; micro-batches of whole groups
-(completions padded within chunks of similar length, not packed; with several ranks one chunk, as wide as the longest
-completion on any rank, so that every rank runs the same FSDP collectives); rank 0 alone talks to the rollout process and
-deals each batch out to the other ranks.
+(completions padded within chunks of similar length, not packed; with several ranks one chunk, as wide as the
+longest completion on any rank, so that every rank runs the same FSDP collectives); rank 0 alone talks to the rollout
+process and deals each batch out to the other ranks.
 Run `python train.py --plot OUT_DIR` to (re)draw OUT_DIR/curves.png; every run draws it at the end.
 """
 import ast
