@@ -52,11 +52,8 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, width=0):
     out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0), use_cache=True,
               logits_to_keep=1)
     chunks, order = [], sorted(range(len(comps)), key=lambda i: -len(comps[i]))
-    for i in order:  # longest first: a chunk's first row sets its padded length
-        if width:
-            chunks = [order]
-            break
-        if chunks and (len(chunks[-1]) + 1) * len(comps[chunks[-1][0]]) <= max_pad * (real + len(comps[i])):
+    for i in order:  # longest first: a chunk's first row sets its padded length (width: all rows in one chunk)
+        if chunks and (width or (len(chunks[-1]) + 1) * len(comps[chunks[-1][0]]) <= max_pad * (real + len(comps[i]))):
             chunks[-1].append(i)
             real += len(comps[i])
         else:

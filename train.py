@@ -412,13 +412,15 @@ try:
         for i in range(0, len(mine), micro_batch_groups):
             mb = mine[i:i + micro_batch_groups]
             if borrow:  # vLLM is idle until it gets the next weights or a discard notice: use its cores meanwhile
-                borrowed += idle_at == [version, discarded]
-                torch.set_num_threads(base_threads + borrow * (idle_at == [version, discarded]))
+                lent = idle_at == [version, discarded]
+                borrowed += lent
+                torch.set_num_threads(base_threads + borrow * lent)
             policy.set_requires_gradient_sync(i + micro_batch_groups >= len(mine))
-            width = torch.tensor([max(len(c["ids"]) for g in mb for c in g["completions"])], device=device)
+            width = 0  # one rank: completions in chunks of similar length
             if world > 1:  # FSDP's collectives need the same forward calls on every rank: one chunk, one width
+                width = torch.tensor([max(len(c["ids"]) for g in mb for c in g["completions"])], device=device)
                 dist.all_reduce(width, op=dist.ReduceOp.MAX)
-            width = int(width) if world > 1 else 0
+                width = int(width)
             logp, mask = L.token_logprobs(policy, mb, temperature, device, width=width)
             behav = pad([c["logprobs"] for g in mb for c in g["completions"]], logp.shape[1])
             adv = torch.cat([L.group_advantages(torch.tensor([c["reward"] for c in g["completions"]], device=device),
