@@ -67,12 +67,9 @@ import os, sys, time, json
 sys.path.insert(0, {ROOT!r})
 import rollout, reward
 if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     cfg = json.load(open(sys.argv[1]))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
-    llm = LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"], max_model_len=cfg["max_model_len"],
-              enforce_eager=cfg["enforce_eager"], logprobs_mode="processed_logprobs",
-              max_num_seqs=cfg["rollout_groups"] * cfg["group_size"], enable_prefix_caching=True, block_size=32)
+    llm = rollout.make_llm(cfg, "cpu", max_num_seqs=cfg["rollout_groups"] * cfg["group_size"])
     tok = llm.get_tokenizer()
     train_set, _ = reward.load_task(cfg)
     prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}} for p in train_set[:{n_prompts}]]

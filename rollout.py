@@ -76,9 +76,22 @@ def format_prompt(tok, text):
     return tok.encode(text)
 
 
+def make_llm(cfg, device, **extra):
+    """The vLLM engine as the rollout process runs it (bench.py times the same one standalone)."""
+    from vllm import LLM
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
+    # prefix caching shares whole KV blocks only: at the CPU default of 128 tokens per block a group's samples would
+    # each recompute their ~40-token prompt, at 32 they share its first 32 (SmolLM2, one core: 111 -> 157 tokens/s)
+    return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"], max_model_len=cfg["max_model_len"],
+               enforce_eager=cfg["enforce_eager"], gpu_memory_utilization=cfg["gpu_memory_utilization"],
+               tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
+               enable_prefix_caching=True, block_size=32 if device == "cpu" else None, **extra)
+
+
 def main(cfg):
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     import reward
     import sync
@@ -90,14 +103,7 @@ def main(cfg):
         pass
     parent = os.getppid()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
-    llm = LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"], max_model_len=cfg["max_model_len"],
-              enforce_eager=cfg["enforce_eager"], gpu_memory_utilization=cfg["gpu_memory_utilization"],
-              tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
-              enable_prefix_caching=True, block_size=32 if device == "cpu" else None)
-    # prefix caching shares whole KV blocks only: at the CPU default of 128 tokens per block a group's samples would
-    # each recompute their ~40-token prompt, at 32 they share its first 32 (SmolLM2, one core: 111 -> 157 tokens/s)
+    llm = make_llm(cfg, device)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     train_set, eval_set = reward.load_task(cfg)
     limit = cfg["max_model_len"] - cfg["max_new_tokens"]
