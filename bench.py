@@ -3,14 +3,16 @@ bench.py: how well the pipeline keeps generation and training busy. Prints a tab
 
   python bench.py                      # tiny and SmolLM2 configs on this machine (CPU), < 10 minutes
   python bench.py --configs=tiny       # just the tiny one
-  torchrun --nproc_per_node=1 bench.py --trainer   # the trainer step alone on a GPU (no vLLM needed), bf16
+  torchrun --nproc_per_node=1 bench.py --trainer   # the trainer step alone, no vLLM: the 1.5B recipe's shape
+                                                   # in bf16 on a GPU, a small model in fp32 on CPU
 
 Ratios, each measured side by side in one invocation (absolute times are noise on a shared machine):
   overlap_speedup     wall-clock per trained sample, synchronous (max_staleness=0) / asynchronous (the config's eta),
                       with vLLM and the trainer on disjoint cores; overlap_bound = (T_gen + T_train) / max(T_gen,
                       T_train) from the synchronous run's own timings (there, waiting = generating)
-  sync_ratio          time to push the model through sync.send_weights (bucketed, as in training) / one raw
-                      broadcast of a flat buffer of the same bytes on the same kind of group
+  sync_ratio          trainer-blocked time to push the model into a real vLLM engine (sync.push: bucketed, each
+                      bucket received and reloaded inside the worker, as in training) / one raw broadcast of the
+                      same bytes to the same worker on the same group
   rollout_pause_share time the engine spends loading weights / time it spends generating
   rollout_efficiency  vLLM tokens/s inside the training loop (over the time it generates or loads) / standalone vLLM
                       generating the same prompts with the same sampling settings, (eta + 1) * batch_groups groups at
@@ -93,18 +95,24 @@ if __name__ == "__main__":
 
 
 def weight_sync(model_dir, bucket_mb, repeats=5):
-    """Trainer-side seconds to push a model's weights (bucketed) vs one flat broadcast of the same bytes."""
+    """Trainer-side seconds to push a model's weights into a real vLLM engine (sync.push; its worker receives
+    and reloads bucket by bucket, sync.load) vs one raw broadcast of the same bytes to the same worker."""
     code = f"""
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {ROOT!r})
-import sync
-ctl, traj, store = sync.connect("127.0.0.1", int(sys.argv[1]), 1, "cpu", 60)
-meta = sync.recv_obj(ctl, 0)
-buckets = sync.plan_buckets(meta, {bucket_mb}, torch.float32)
-total = sum(n for b in buckets for *_, n in b)
-for _ in range({repeats}):
-    sync.recv_header(ctl); sync.recv_weights(ctl, buckets, torch.float32)
-    flat = torch.empty(total); ctl.broadcast(flat, 0).wait()
+import rollout, sync
+def raw(worker, numel):
+    worker.nanoasync["pg"].broadcast(torch.empty(numel), 0).wait()
+if __name__ == "__main__":
+    from vllm import LLM
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    port, cfg = int(sys.argv[1]), {{"rollout_dtype": "float32", "colocate": False, "timeout_s": 60}}
+    llm = LLM(model={model_dir!r}, dtype="float32", max_model_len=128, enforce_eager=True)
+    store = sync.open_store("127.0.0.1", port, False, 60)
+    llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
+    for i in range({repeats}):
+        store.wait([f"push{{i}}"]); llm.collective_rpc(sync.load)
+        store.wait([f"raw{{i}}"]); llm.collective_rpc(raw, args=(int(store.get("numel")),))
 """
     import socket
     import torch
@@ -114,23 +122,166 @@ for _ in range({repeats}):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    peer = subprocess.Popen([sys.executable, "-c", code, str(port)])
-    ctl, traj, store = sync.connect("127.0.0.1", port, 0, "cpu", 60)
-    meta = [(n, tuple(p.shape)) for n, p in model.state_dict().items()]
-    sync.send_obj(ctl, meta, 1)
-    buckets = sync.plan_buckets(meta, bucket_mb, torch.float32)
-    flat = torch.zeros(sum(n for b in buckets for *_, n in b))
-    bucketed, raw = [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        sync.send_header(ctl, 1, 0, has_weights=True)
-        sync.send_weights(ctl, model.state_dict().items(), buckets, torch.float32)
-        bucketed.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        ctl.broadcast(flat, 0).wait()
-        raw.append(time.perf_counter() - t)
+    store = sync.open_store("127.0.0.1", port, True, 60)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
+    peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
+    meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    sender = sync.Sender(store, meta, {"rollout_dtype": "float32", "bucket_mb": bucket_mb, "colocate": False,
+                                       "timeout_s": 60}, torch.device("cpu"), 1)
+    flat = torch.zeros(sender.bytes // 4)
+    store.set("numel", str(flat.numel()))
+    pushed, raw = [], []
+    with torch.no_grad():
+        for i in range(repeats):
+            t = time.perf_counter()
+            store.set(f"push{i}", "1")
+            sync.push(sender, model.named_parameters(), sender.buckets)
+            pushed.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            store.set(f"raw{i}", "1")
+            sender.pg.broadcast(flat, 0).wait()
+            raw.append(time.perf_counter() - t)
     peer.wait(timeout=60)
-    return sorted(bucketed)[repeats // 2], sorted(raw)[repeats // 2], flat.numel() * 4
+    return sorted(pushed)[repeats // 2], sorted(raw)[repeats // 2], sender.bytes
+
+
+def trainer_only():
+    """The trainer step alone at the GPU recipe's shape, nothing downloaded: a Qwen2.5-1.5B-shaped model with random
+    weights (on CPU a small model of the same vocabulary), FSDP2 exactly as train.py wraps it, groups of 16
+    completions of mixed lengths up to `tokens` sharing one prompt, one group per micro-batch, as train.py runs
+    them (loss.token_logprobs). Prints tokens/s, MFU (6 N tokens / time / peak), peak memory and pad_frac."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import loss as L
+    gpu = torch.cuda.is_available()
+    dist.init_process_group("nccl" if gpu else "gloo")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if gpu else "cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    big = args.get("shape", "1.5b" if gpu else "small") == "1.5b"
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=1536 if big else 256, intermediate_size=8960 if big else 768,
+                      num_hidden_layers=28 if big else 2, num_attention_heads=12 if big else 4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if gpu else torch.float32, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    G, n, P = int(args.get("groups", 8 if gpu else 2)), 16, 256 if gpu else 64
+    T = int(args.get("tokens", 1024 if gpu else 128))
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda k: torch.randint(0, 150000, (k,), generator=gen).tolist()
+    lengths = lambda: torch.randint(T // 8, T + 1, (n,), generator=gen).tolist()  # mixed, up to T
+    groups = [{"prompt_ids": rand(P), "completions": [{"ids": rand(k)} for k in lengths()]} for _ in range(G)]
+    tokens = sum(len(g["prompt_ids"]) + sum(len(c["ids"]) for c in g["completions"]) for g in groups)
+    times, computed, real = [], 0, 0
+    for it in range(3):
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for g in groups:  # micro-batch = one group
+            logp, mask, (c, r) = L.token_logprobs(model, [g], 1.0, device)
+            adv = torch.randn(n, device=device)
+            loss, _ = L.grpo_loss(logp, logp.detach(), adv, mask, float(mask.sum()))
+            loss.backward()
+            computed, real = computed + c, real + r
+        opt.step()
+        opt.zero_grad()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    step = min(times[1:])
+    peak = 989e12 if gpu else None  # H100 SXM dense bf16
+    out = {"device": torch.cuda.get_device_name() if gpu else "cpu", "params": n_params, "step_s": step,
+           "tokens": tokens, "tokens_per_s": tokens / step,
+           "mfu": 6 * n_params * tokens / step / peak if peak else None,  # attention scores left out
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+           "peak_rss_gib": __import__("resource").getrusage(0).ru_maxrss / 2**20, "pad_frac": 1 - real / computed}
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from vllm import SamplingParams
+    cfg = json.load(open(sys.argv[1]))
+    llm = rollout.make_llm(cfg, "cpu", max_num_seqs=cfg["rollout_groups"] * cfg["group_size"])
+    tok = llm.get_tokenizer()
+    train_set, _ = reward.load_task(cfg)
+    prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}} for p in train_set[:{n_prompts}]]
+    params = SamplingParams(n=cfg["group_size"], temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    print(json.dumps({{"tokens_per_s": sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)}}))
+"""
+    config, base, _ = CONFIGS[name]
+    cfg = json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0", "train_config.json")))
+    path = os.path.join(ROOT, "out/bench", name + "_standalone.json")
+    json.dump(cfg, open(path, "w"))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
+    cpus = cfg["rollout_cpus"]
+    if cpus:  # the same cores the rollout process had
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cpus, OMP_NUM_THREADS=str(len(cpus.split(","))))
+    prefix = ["taskset", "-c", cpus] if cpus else []
+    out = subprocess.run(prefix + [sys.executable, "-c", code, path], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def weight_sync(model_dir, bucket_mb, repeats=5):
+    """Trainer-side seconds to push a model's weights into a real vLLM engine (sync.push; its worker receives
+    and reloads bucket by bucket, sync.load) vs one raw broadcast of the same bytes to the same worker."""
+    code = f"""
+import os, sys, torch
+sys.path.insert(0, {ROOT!r})
+import rollout, sync
+def raw(worker, numel):
+    worker.nanoasync["pg"].broadcast(torch.empty(numel), 0).wait()
+if __name__ == "__main__":
+    from vllm import LLM
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    port, cfg = int(sys.argv[1]), {{"rollout_dtype": "float32", "colocate": False, "timeout_s": 60}}
+    llm = LLM(model={model_dir!r}, dtype="float32", max_model_len=128, enforce_eager=True)
+    store = sync.open_store("127.0.0.1", port, False, 60)
+    llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
+    for i in range({repeats}):
+        store.wait([f"push{{i}}"]); llm.collective_rpc(sync.load)
+        store.wait([f"raw{{i}}"]); llm.collective_rpc(raw, args=(int(store.get("numel")),))
+"""
+    import socket
+    import torch
+    from transformers import AutoModelForCausalLM
+    import sync
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = sync.open_store("127.0.0.1", port, True, 60)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
+    peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
+    meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    sender = sync.Sender(store, meta, {"rollout_dtype": "float32", "bucket_mb": bucket_mb, "colocate": False,
+                                       "timeout_s": 60}, torch.device("cpu"), 1)
+    flat = torch.zeros(sender.bytes // 4)
+    store.set("numel", str(flat.numel()))
+    pushed, raw = [], []
+    with torch.no_grad():
+        for i in range(repeats):
+            t = time.perf_counter()
+            store.set(f"push{i}", "1")
+            sync.push(sender, model.named_parameters(), sender.buckets)
+            pushed.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            store.set(f"raw{i}", "1")
+            sender.pg.broadcast(flat, 0).wait()
+            raw.append(time.perf_counter() - t)
+    peer.wait(timeout=60)
+    return sorted(pushed)[repeats // 2], sorted(raw)[repeats // 2], sender.bytes
 
 
 def trainer_only():

@@ -1,25 +1,35 @@
 """
-buffer.py: where finished groups wait for the trainer (trainer rank 0 only).
+buffer.py: trainer rank 0's end of the rollout side: where finished groups wait for the trainer (Buffer), and
+the rollout processes they come from (Rollouts: starts them, reads them, tells them about new weights).
 
-A receiver thread put()s groups as they arrive from the rollout process; the training loop get()s a batch of exactly
+A receiver thread per engine put()s groups as they arrive; the training loop get()s a batch of exactly
 `batch_groups` groups. On the way out, get() discards
   - stale groups: trained now at version v, a group whose oldest token came from version < v - max_staleness;
   - flat groups (optional): every completion got the same reward, so every advantage is 0 and the group would only
     cost compute.
-Each stale discard is reported through on_discard so the rollout process can start a replacement (its admission
-control counts groups the trainer has not yet accounted for). Flat groups are not reported: the rollout process graded
+Each stale discard is reported through on_discard so the engines can start a replacement (their shared admission
+budget counts groups the trainer has not yet accounted for). Flat groups are not reported: the engine graded
 them itself and started their replacements the moment they finished, without waiting for the trainer to notice.
 
 Simplifications: first in, first out; no priority, no replay, no cap on memory beyond what admission control bounds.
 """
+import pickle
 import threading
 import time
 
+import rollout
+import sync
+
+
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM (torchrun passes both on to every rank): stop at the next step boundary."""
+
 
 class Buffer:
-    def __init__(self, max_staleness, drop_flat, on_discard=lambda n: None):
+    def __init__(self, max_staleness, drop_flat, on_discard=lambda n: None, timeout_s=0):
         self.groups, self.cond = [], threading.Condition()
         self.max_staleness, self.drop_flat, self.on_discard = max_staleness, drop_flat, on_discard
+        self.timeout_s = timeout_s  # > 0: no group for this long means the producer is stuck
         self.dropped_stale = self.dropped_flat = 0
         self.error = None  # set by whoever finds the producer dead; get() raises it
 
@@ -45,6 +55,8 @@ class Buffer:
                     self.cond.wait(timeout=1.0)
                     if not self.groups:
                         check_alive()
+                        if self.timeout_s and time.perf_counter() - t0 > self.timeout_s:
+                            self.error = f"no group from the rollout side for timeout_s={self.timeout_s} s"
                 waited += time.perf_counter() - t0
                 if self.error is not None:
                     raise RuntimeError(self.error)
@@ -81,3 +93,87 @@ def split(groups, world_size):
     if len(groups) % world_size:
         raise ValueError(f"{len(groups)} groups cannot be split evenly over {world_size} trainer ranks")
     return [groups[r::world_size] for r in range(world_size)]
+
+
+class Rollouts:
+    """Trainer rank 0's end of the rollout processes. The other ranks only join the weight gathers (sync.push)."""
+
+    def __init__(self, cfg, meta, device, engine_gpus, ckpt, stop_requested):
+        E, timeout = cfg["rollout_engines"], cfg["timeout_s"]
+        self.cfg, self.stop_requested = cfg, stop_requested
+        self.consumed = set(ckpt.get("done", []))  # prompt stream positions taken out of the buffer ...
+        self.next = ckpt.get("next", 0)  # ... and every position below this one
+        self.store = sync.open_store(cfg["rollout_host"], cfg["rollout_port"], True, timeout)
+        self.store.set("start", pickle.dumps({"version": ckpt.get("version", 0), "next": self.next,
+                                              "done": sorted(self.consumed)}))
+        for e in range(E):
+            self.store.set(f"idle{e}", "")
+        self.procs = rollout.spawn(cfg, engine_gpus)
+        sync.wait_for(self.store, [f"joined{e}" for e in range(E)], timeout, self.check_alive)
+        self.ctl, trajs = sync.connect(self.store, 0, E, timeout)
+        self.sender = sync.Sender(self.store, meta, cfg, device, E * cfg["tensor_parallel_size"])
+        self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], self.discard, timeout)
+        self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
+        self.discarded, self.evals, self.stats = 0, [], {}
+        for e, traj in enumerate(trajs):
+            threading.Thread(target=self.receive, args=(traj,), daemon=True).start()
+
+    def check_alive(self):
+        if self.stop_requested():
+            raise Stopped()
+        for e, p in enumerate(self.procs):
+            if p.poll() is not None:
+                raise RuntimeError(f"rollout process {e} (pid {p.pid}) exited with code {p.returncode}; its own "
+                                   "error is printed above")
+
+    def discard(self, n):  # stale groups dropped by the buffer: the engines may admit replacements
+        self.discarded += n
+        self.store.add("discarded", n)
+
+    def receive(self, traj):  # trajectories and eval results from one engine
+        try:
+            while True:
+                msg = sync.recv_obj(traj, 1)
+                self.stats[msg["engine"]] = {k: v for k, v in msg.items() if k.startswith("rollout_") or k in
+                                             ("reward_failed", "skipped_long")}
+                if msg["kind"] == "group":
+                    self.buffer.put(msg)
+                elif msg["kind"] == "eval":
+                    self.evals.append(dict(msg, t=time.perf_counter()))  # when it finished
+                elif msg["kind"] == "bye":
+                    return
+        except Exception as e:
+            self.buffer.fail(f"lost a rollout process: {e}")
+
+    def idle(self, version):
+        """Every engine waits for the weights after `version` (it said so, and no discard came since)."""
+        want = f"{version}/{self.discarded}"
+        return all(self.store.get(f"idle{e}").decode() == want for e in range(len(self.procs)))
+
+    def consume(self, groups):
+        self.consumed.update(g["pos"] for g in groups)
+
+    def resume_state(self):  # what rank 0 needs to continue exactly where this version left off
+        while self.next in self.consumed:
+            self.consumed.remove(self.next)
+            self.next += 1
+        return {"next": self.next, "done": sorted(self.consumed),
+                "dropped": [self.buffer.dropped_stale, self.buffer.dropped_flat]}
+
+    def rollout_stats(self):  # summed over engines (rss: the largest)
+        out = {}
+        for s in self.stats.values():
+            for k, v in s.items():
+                out[k] = max(out.get(k, 0), v) if k == "rollout_rss_mb" else out.get(k, 0) + v
+        return out
+
+    def stop(self, version, timeout_s):
+        sync.send_header(self.ctl, version, stop=True)
+        for p in self.procs:
+            p.wait(timeout=timeout_s)
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -26,22 +26,91 @@ log_softmax(logits / T), the same distribution vLLM reports with logprobs_mode="
 Simplifications: one optimizer step per batch (so no separate "old policy" pass and no clip); the optional KL to a
 reference policy uses the k3 estimator per token.
 """
+from contextlib import contextmanager
+
 import torch
 from transformers import DynamicCache
 
 
-def token_logprobs(net, groups, temperature, device, max_pad=1.1, width=0):
-    """Logprobs of every completion token of these groups under net, at the sampling temperature -> (logp, mask),
-    [completions, longest completion], rows in group order. Each prompt runs once and its KV cache is shared by the
-    group's completions (for short answers that halves the tokens); only completion positions reach the output
-    layer. Completions then run in chunks of similar length (longest first, a chunk's padded area at most max_pad
-    times its real tokens): padding is computed like any token, and one rambling answer would otherwise pad every
-    row to its length. Prompts are left-padded, completions right-padded. width > 0: one chunk, every row padded to
-    width (FSDP over several ranks needs the same forward calls on every rank, whatever its completions' lengths)."""
+class SampledLogprob(torch.autograd.Function):
+    """log_softmax(h @ w.T / T) at the sampled ids, `rows` positions at a time: the [positions x vocabulary]
+    logits exist for one chunk at once, in fp32, in forward and again (recomputed) in backward.
+    h [N, H], w [V, H], ids [N, K] (K targets per position) -> [N, K] fp32."""
+
+    @staticmethod
+    def forward(ctx, h, w, ids, temperature, rows):
+        out = []
+        for i in range(0, h.shape[0], rows):
+            z = (h[i:i + rows] @ w.t()).float() / temperature
+            out.append(z.gather(1, ids[i:i + rows]) - z.logsumexp(1, keepdim=True))
+        ctx.save_for_backward(h, w, ids)
+        ctx.temperature, ctx.rows = temperature, rows
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, ids = ctx.saved_tensors
+        T, rows = ctx.temperature, ctx.rows
+        dh, dw = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for i in range(0, h.shape[0], rows):
+            hc, gc = h[i:i + rows], g[i:i + rows]
+            z = (hc @ w.t()).float() / T
+            dz = torch.softmax(z, 1) * -gc.sum(1, keepdim=True)  # d/dz of z[y] - logsumexp(z) = onehot(y) - p
+            dz = (dz.scatter_add_(1, ids[i:i + rows], gc) / T).to(h.dtype)
+            dh[i:i + rows] = dz @ w
+            dw += (dz.t() @ hc).float()
+        return dh, dw.to(w.dtype), None, None, None
+
+
+@contextmanager
+def scoring(net, ids, temperature, rows=1024):
+    """The output layer returns the logprobs of `ids` [B, T, K] instead of logits [B, T, V] for one forward
+    call (swapping its forward keeps FSDP's hooks, which sit on the root module, untouched)."""
+    head = net.get_output_embeddings()
+    head.forward = lambda h: SampledLogprob.apply(h.reshape(-1, h.shape[-1]), head.weight,
+                                                  ids.reshape(-1, ids.shape[-1]), temperature,
+                                                  rows).view(*h.shape[:-1], ids.shape[-1])
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
+    """Rows (completion indices) in chunks of similar length, longest first, a chunk's padded area at most max_pad
+    times its real tokens. n_chunks: split further (the chunk with the largest padded area first) until there are
+    exactly that many, so that every FSDP rank runs the same forward calls; a rank short of rows repeats its
+    shortest one, marked None, for a chunk whose result is multiplied by 0."""
+    chunks, real = [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_pad * (real + lengths[i]):
+            chunks[-1].append(i)
+            real += lengths[i]
+        else:
+            chunks.append([i])
+            real = lengths[i]
+    while len(chunks) < n_chunks:
+        big = max(range(len(chunks)), key=lambda c: len(chunks[c]) * lengths[chunks[c][0] or 0])
+        if len(chunks[big]) > 1:
+            half = len(chunks[big]) // 2
+            chunks[big:big + 1] = [chunks[big][:half], chunks[big][half:]]
+        else:
+            chunks.append([None])
+    return chunks
+
+
+def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
+    """Logprobs of every completion token of these groups under net, at the sampling temperature
+    -> (logp, mask, (computed, real)), logp and mask [completions, longest completion], rows in group order.
+    Each prompt runs once and its KV cache is shared by the group's completions (for short answers that halves
+    the tokens). Completions then run in chunks of similar length (plan_chunks): one rambling answer would otherwise
+    pad every row to its length. The output layer scores only the sampled tokens (SampledLogprob). computed, real:
+    the positions the forward passes computed, and those that were not padding. Prompts are left-padded,
+    completions right-padded."""
     n = len(groups[0]["completions"])
     prompts = [g["prompt_ids"] for g in groups]
     comps = [c["ids"] for g in groups for c in g["completions"]]
-    P, T = max(map(len, prompts)), max(max(map(len, comps)), width)
+    P, T = max(map(len, prompts)), max(map(len, comps))
     pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T, dtype=torch.long)
     pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
     for i, p in enumerate(prompts):
@@ -49,34 +118,32 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, width=0):
     for i, c in enumerate(comps):
         cids[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), 1
     pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
-    out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0), use_cache=True,
-              logits_to_keep=1)
-    chunks, order = [], sorted(range(len(comps)), key=lambda i: -len(comps[i]))
-    for i in order:  # longest first: a chunk's first row sets its padded length (width: all rows in one chunk)
-        if chunks and (width or (len(chunks[-1]) + 1) * len(comps[chunks[-1][0]]) <= max_pad * (real + len(comps[i]))):
-            chunks[-1].append(i)
-            real += len(comps[i])
-        else:
-            chunks.append([i])
-            real = len(comps[i])
-    pieces = []
-    for rows in chunks:
-        idx, Tc = torch.tensor(rows, device=device), width or len(comps[rows[0]])
-        logits = out.logits[idx // n, -1:]  # the prompt's last position predicts completion token 0
+    with scoring(net, cids[:, :1].reshape(len(prompts), 1, n), temperature):  # each prompt's last position
+        out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0),
+                  use_cache=True, logits_to_keep=1)                          # scores every first token
+    first = out.logits.reshape(len(comps), 1)
+    logp, computed, real = torch.zeros(len(comps), T, device=device), pids.numel(), int(pmask.sum())
+    for rows in plan_chunks([len(c) for c in comps], max_pad, n_chunks):
+        dummy = rows == [None]
+        rows = [min(range(len(comps)), key=lambda i: len(comps[i]))] if dummy else rows
+        idx = torch.tensor(rows, device=device)
+        lp, Tc = first[idx], len(comps[rows[0]])
         if Tc > 1:  # a fresh cache holding these rows' prompts; the forward appends the completion to it
             cache = DynamicCache()
             for layer, kv in enumerate(out.past_key_values.layers):
                 cache.update(kv.keys[idx // n], kv.values[idx // n], layer)
-            pm = pmask[idx // n]
-            pos = pm.sum(1, keepdim=True) + torch.arange(Tc - 1, device=device)
-            rest = net(input_ids=cids[idx, :Tc - 1], attention_mask=torch.cat([pm, cmask[idx, :Tc - 1]], 1),
-                       position_ids=pos, past_key_values=cache).logits
-            logits = torch.cat([logits, rest], 1)
-        logits = logits.float() / temperature
-        lp = logits.gather(-1, cids[idx, :Tc].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-        pieces.append(torch.nn.functional.pad(lp, (0, T - Tc)))
-    logp = torch.cat(pieces)[torch.tensor(order, device=device).argsort()]  # back to group order
-    return logp * cmask, cmask
+            pm, cm = pmask[idx // n], cmask[idx, :Tc - 1]
+            with scoring(net, cids[idx, 1:Tc, None], temperature):
+                rest = net(input_ids=cids[idx, :Tc - 1], attention_mask=torch.cat([pm, cm], 1),
+                           position_ids=pm.sum(1, keepdim=True) + torch.arange(Tc - 1, device=device),
+                           past_key_values=cache).logits[..., 0]
+            lp = torch.cat([lp, rest], 1)
+            computed, real = computed + cm.numel(), real + (0 if dummy else int(cm.sum()))
+        if dummy:  # keeps this rank's FSDP collectives in step with the others; adds nothing
+            logp = logp + 0 * lp.sum()
+        else:
+            logp = logp.index_put((idx,), torch.nn.functional.pad(lp, (0, T - Tc)))
+    return logp * cmask, cmask, (computed, real)
 
 
 def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):

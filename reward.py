@@ -56,9 +56,15 @@ def gsm8k(data_path, eval_path, seed, n_eval):
     if os.path.isfile(data_path):
         train = read_jsonl(data_path)
         test = read_jsonl(eval_path) if eval_path else None
-    else:  # a hub dataset id: only where the machine is online (the GPU recipe)
-        import datasets
-        ds = datasets.load_dataset(data_path, "main")
+    else:  # a hub dataset id (openai/gsm8k): where the hub is reachable, or already in the datasets cache
+        try:
+            import datasets
+            ds = datasets.load_dataset(data_path, "main")
+        except Exception as e:
+            raise ValueError(f"data_path {data_path!r} is not a file and could not be loaded from the Hugging Face "
+                             f"hub ({type(e).__name__}: {str(e)[:150]}). Offline? Point --data_path= at a jsonl file "
+                             "of {question, answer} lines, or run once where the hub is reachable (`pip install "
+                             "datasets`) to fill the cache") from None
         to_rows = lambda split: [{"prompt": r["question"], "answer": r["answer"].split("####")[-1].strip()} for r in split]
         train, test = to_rows(ds["train"]), to_rows(ds["test"])
     if test is None:  # no eval file: hold out the last n_eval problems of a seeded shuffle

@@ -1,19 +1,27 @@
 """
-sync.py: the wire between trainer rank 0 and the rollout process.
+sync.py: the wires between the trainer and the rollout engines, all on one TCPStore hosted by trainer rank 0.
 
-Two standalone torch.distributed groups of size 2 (rank 0 = trainer, rank 1 = rollout) on one TCPStore:
-  "ctl"  trainer -> rollout: a small header [version, groups_discarded, has_weights, stop] after every optimizer step
-         (and whenever the buffer discards a group, so the rollout can replace it), followed by the weights as a few
-         flat buckets when has_weights is set.
-  "traj" rollout -> trainer: finished groups and eval results as pickled objects.
-One group per direction, so the two threads that drive them never have to agree on an order of collectives.
-The backend follows the device (gloo on CPU, NCCL on GPU); only the group constructor differs.
+  ctl      trainer rank 0 -> every rollout process: a header [version, has_weights, stop] after each optimizer
+           step. gloo, CPU tensors, always: a control message never touches a CUDA stream.
+  traj     rollout process e -> trainer rank 0: finished groups and eval results, pickled. One 2-rank gloo group
+           per engine, each read by its own trainer thread.
+  weights  trainer rank 0 -> every vLLM worker of every engine. Rank 0 is the trainer, engine e's worker t is
+           rank 1 + e * tensor_parallel_size + t. Each worker receives inside its own process (load(), run by
+           vLLM's collective_rpc), on its current stream, and hands the tensors to vLLM's reload, whose loaders
+           take the slice that worker needs. NCCL on GPU, gloo on CPU.
+           Buckets go out and are loaded one after another through two bucket-sized buffers on each side, so
+           neither side ever holds a second copy of the model.
+           colocate: trainer and vLLM share the device, so the two buffers are shared instead (CUDA IPC on GPU,
+           /dev/shm on CPU) and the group (gloo) only says "bucket k is in buffer k % 2, and k - 1 is read".
+The store also holds small values every side reads: the bucket plan, the IPC handles, the shared admission
+counters (rollout.py).
 
-Simplifications: the weight layout (names, shapes, dtype) is sent once at start-up and is fixed for the run; buckets
-are cut along tensor boundaries (a tensor larger than bucket_mb gets a bucket of its own); trajectories are pickled
-(they are small: token ids and floats), weights are never pickled.
+Simplifications: the weight layout (names, shapes, dtype) is fixed for the run; buckets are cut at tensor
+boundaries (a tensor larger than bucket_mb gets a bucket of its own); trajectories are pickled (token ids and
+floats), weights never are.
 """
 import math
+import os
 import pickle
 import time
 from datetime import timedelta
@@ -21,58 +29,70 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-HEADER = 4  # [version, groups_discarded, has_weights, stop]
 
-
-def connect(host, port, rank, device, timeout_s, check_alive=lambda: None):
-    """Open both groups; rank 0 (the trainer) hosts the store and, while it waits for the rollout process to join,
-    calls check_alive() so a peer that died during start-up is reported at once. Returns (ctl, traj, store)."""
-    timeout = timedelta(seconds=timeout_s)
+def open_store(host, port, master, timeout_s):
     try:
-        store = dist.TCPStore(host, port, world_size=2, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(host, port, is_master=master, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
     except (RuntimeError, OSError) as e:
-        raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); if the port is in use, "
-                           f"pick a free one with --rollout_port=PORT") from None
-    if rank == 1:
-        store.set("rollout_joined", "1")
+        raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); if the port is "
+                           "in use, pick a free one with --rollout_port=PORT") from None
+
+
+def wait_for(store, keys, timeout_s, check_alive=lambda: None):
+    """Wait until every key is set, calling check_alive() meanwhile so that a peer that died is reported at once."""
     deadline = time.time() + timeout_s
-    while rank == 0 and not store.check(["rollout_joined"]):
+    while not store.check(keys):
         check_alive()
         if time.time() > deadline:
-            raise TimeoutError(f"the rollout process did not connect within timeout_s={timeout_s} s")
-        time.sleep(0.2)
-    groups = []
-    for name in ("ctl", "traj"):
-        prefix = dist.PrefixStore(name, store)
-        if str(device).startswith("cuda"):
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            groups.append(dist.ProcessGroupNCCL(prefix, rank, 2, opts))
-        else:
-            groups.append(dist.ProcessGroupGloo(prefix, rank, 2, timeout))
-    return groups[0], groups[1], store  # the caller keeps the store alive as long as the groups
+            raise TimeoutError(f"the rollout side did not set {keys} within timeout_s={timeout_s} s")
+        time.sleep(0.1)
 
 
-# ---- objects (small, pickled) -------------------------------------------------------------------------------------
+def gloo(store, name, rank, size, timeout_s):
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timedelta(seconds=timeout_s))
 
-def send_obj(pg, obj, dst, device="cpu"):
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    pg.send([torch.tensor([data.numel()], dtype=torch.int64, device=device)], dst, 0).wait()
+
+def connect(store, rank, engines, timeout_s):
+    """The control and trajectory groups. rank 0: trainer (-> ctl, [traj per engine]); rank 1 + e: engine e's
+    rollout process (-> ctl, traj). Every side builds them in the same order."""
+    ctl = gloo(store, "ctl", rank, 1 + engines, timeout_s)
+    if rank == 0:
+        return ctl, [gloo(store, f"traj{e}", 0, 2, timeout_s) for e in range(engines)]
+    return ctl, gloo(store, f"traj{rank - 1}", 1, 2, timeout_s)
+
+
+# ---- small messages -------------------------------------------------------------------------------------------
+
+def send_obj(pg, obj, dst):
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    pg.send([torch.tensor([data.numel()])], dst, 0).wait()
     pg.send([data], dst, 1).wait()
 
 
-def recv_obj(pg, src, device="cpu"):
-    size = torch.zeros(1, dtype=torch.int64, device=device)
+def recv_obj(pg, src):
+    size = torch.zeros(1, dtype=torch.int64)
     pg.recv([size], src, 0).wait()
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    data = torch.empty(int(size), dtype=torch.uint8)
     pg.recv([data], src, 1).wait()
-    return pickle.loads(data.cpu().numpy().tobytes())
+    return pickle.loads(data.numpy().tobytes())
 
 
-# ---- weights (flat buckets) ----------------------------------------------------------------------------------------
+def send_header(ctl, version, has_weights=False, stop=False):
+    ctl.broadcast(torch.tensor([version, int(has_weights), int(stop)]), 0).wait()
+
+
+def recv_header(ctl):
+    h = torch.zeros(3, dtype=torch.int64)
+    ctl.broadcast(h, 0).wait()
+    version, has_weights, stop = h.tolist()
+    return version, bool(has_weights), bool(stop)
+
+
+# ---- weights --------------------------------------------------------------------------------------------------
 
 def plan_buckets(meta, bucket_mb, dtype):
-    """meta: [(name, shape)] in send order -> list of buckets, each a list of (name, shape, offset, numel)."""
+    """meta: [(name, shape)] in send order -> buckets, each a list of (name, shape, offset, numel)."""
     limit = int(bucket_mb * 2**20) // torch.empty(0, dtype=dtype).element_size()  # in elements
     buckets, cur, used = [], [], 0
     for name, shape in meta:
@@ -87,45 +107,142 @@ def plan_buckets(meta, bucket_mb, dtype):
     return buckets
 
 
-def send_header(pg, version, discarded, has_weights=False, stop=False, device="cpu"):
-    h = torch.tensor([version, discarded, int(has_weights), int(stop)], dtype=torch.int64, device=device)
-    pg.broadcast(h, 0).wait()
+def bucket_numel(buckets):
+    return max(sum(n for *_, n in b) for b in buckets)
 
 
-def send_weights(pg, full_tensors, buckets, dtype, device="cpu"):
-    """Trainer side. full_tensors yields (name, tensor) in the planned order, one tensor at a time, so a sharded
-    model is gathered bucket by bucket and never held twice in full. Every trainer rank must drive the iterator
-    (gathering a sharded tensor is a collective); only rank 0 passes a group and sends."""
-    it, sending = iter(full_tensors), None
-    for bucket in buckets:
-        flat = torch.empty(sum(n for *_, n in bucket), dtype=dtype, device=device) if pg is not None else None
+def shm_path(port, i):
+    return f"/dev/shm/nanoasync-{port}-{i}"
+
+
+def weight_group(store, rank, world, device, colocate, timeout_s):
+    if device.type == "cuda" and not colocate:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(dist.PrefixStore("weights", store), rank, world, opts)
+    return gloo(store, "weights", rank, world, timeout_s)
+
+
+def barrier(pg, device):
+    """Everything this side did to a shared buffer is done; then wait for every other side."""
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()  # another process reads it: stream order does not reach there
+    pg.allreduce([torch.zeros(1)]).wait()
+
+
+class Sender:
+    """Trainer rank 0's end of the weight group. Holds the group and the two bucket buffers for the run."""
+
+    def __init__(self, store, meta, cfg, device, workers):
+        self.dtype, self.device, self.colocate = getattr(torch, cfg["rollout_dtype"]), device, cfg["colocate"]
+        self.buckets = plan_buckets(meta, cfg["bucket_mb"], self.dtype)
+        store.set("plan", pickle.dumps(self.buckets))
+        n = bucket_numel(self.buckets)
+        if self.colocate and device.type == "cpu":
+            port = cfg["rollout_port"]
+            self.bufs = [torch.from_file(shm_path(port, i), shared=True, size=n, dtype=self.dtype) for i in (0, 1)]
+        else:
+            self.bufs = [torch.empty(n, dtype=self.dtype, device=device) for _ in (0, 1)]
+        if self.colocate and device.type == "cuda":  # handles to this process's buffers, opened by the worker
+            from torch.multiprocessing.reductions import reduce_tensor
+            store.set("ipc", pickle.dumps([reduce_tensor(b) for b in self.bufs]))
+        store.set("weights_ready", "1")
+        self.pg = weight_group(store, 0, 1 + workers, device, self.colocate, cfg["timeout_s"])
+        if device.type == "cuda" and not self.colocate:
+            self.pg.eager_connect_single_device(device)  # every worker joins now, not in the first push
+        if self.colocate:
+            barrier(self.pg, device)  # every worker has mapped the buffers ...
+            if device.type == "cpu":
+                for i in (0, 1):  # ... so their names can go: nothing is left in /dev/shm, even after a kill -9
+                    os.unlink(shm_path(cfg["rollout_port"], i))
+        self.bytes = sum(n for b in self.buckets for *_, n in b) * self.bufs[0].element_size()
+
+
+def push(sender, tensors, buckets, check_alive=lambda: None):
+    """Send the model, bucket by bucket, while the next bucket is gathered and packed. Every trainer rank calls
+    this with the same `tensors` iterator of (name, full tensor) (gathering a sharded tensor is a collective);
+    only rank 0 passes a Sender. Returns the bytes sent."""
+    it, works = iter(tensors), []
+    for k, bucket in enumerate(buckets):
+        full = []
         for name, shape, off, n in bucket:
             got, t = next(it)
             assert got == name, f"weight order changed: expected {name}, got {got}"
-            if flat is not None:
-                flat[off:off + n].copy_(t.reshape(-1))
-        if pg is not None:  # this bucket goes out while the next one is gathered and packed
-            if sending is not None:
-                sending.wait()
-            sending = pg.broadcast(flat, 0)
-    if sending is not None:
-        sending.wait()
-
-
-def recv_header(pg, device="cpu"):
-    h = torch.zeros(HEADER, dtype=torch.int64, device=device)
-    pg.broadcast(h, 0).wait()
-    version, discarded, has_weights, stop = h.tolist()
-    return version, discarded, bool(has_weights), bool(stop)
-
-
-def recv_weights(pg, buckets, dtype, device="cpu"):
-    """Rollout side: receive every bucket into a fresh buffer; returns [(name, view)] ready for a reload."""
-    out, works = [], []
-    for bucket in buckets:  # every receive posted at once: the buckets arrive back to back
-        flat = torch.empty(sum(n for *_, n in bucket), dtype=dtype, device=device)
-        works.append(pg.broadcast(flat, 0))
-        out += [(name, flat[off:off + n].view(shape)) for name, shape, off, n in bucket]
+            full.append(t)
+        if sender is None:
+            continue
+        if len(works) >= 2:
+            works[-2].wait()  # the broadcast two buckets ago read this buffer; NCCL: the stream waits, not us
+        flat = sender.bufs[k % 2]
+        for (name, shape, off, n), t in zip(bucket, full):
+            flat[off:off + n].copy_(t.detach().reshape(-1))
+        if sender.colocate:
+            barrier(sender.pg, sender.device)  # bucket k is in place, and the workers have read bucket k - 1
+        else:
+            works.append(sender.pg.broadcast(flat[:off + n], 0))
+    if sender is None:
+        return 0
     for w in works:
         w.wait()
-    return out
+    if sender.colocate:
+        barrier(sender.pg, sender.device)  # the last bucket is read: the buffers may be refilled
+    while works and not works[-1].is_completed():  # NCCL: the host waits here, and notices a dead engine
+        check_alive()
+        time.sleep(0.001)
+    return sender.bytes
+
+
+# ---- inside each vLLM worker (collective_rpc) -------------------------------------------------------------------
+
+def join(worker, host, port, first_rank, world, cfg):
+    """Become rank first_rank + (this worker's rank in its engine) of the weight group; keep what load() needs
+    on the worker."""
+    rank = first_rank + worker.rank
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    store = open_store(host, port, False, cfg["timeout_s"])
+    store.wait(["weights_ready"])
+    buckets, dtype = pickle.loads(store.get("plan")), getattr(torch, cfg["rollout_dtype"])
+    n = bucket_numel(buckets)
+    if cfg["colocate"] and device.type == "cuda":
+        bufs = [fn(*args) for fn, args in pickle.loads(store.get("ipc"))]
+    elif cfg["colocate"]:
+        bufs = [torch.from_file(shm_path(port, i), shared=True, size=n, dtype=dtype) for i in (0, 1)]
+    else:
+        bufs = [torch.empty(n, dtype=dtype, device=device) for _ in (0, 1)]
+    pg = weight_group(store, rank, world, device, cfg["colocate"], cfg["timeout_s"])
+    if device.type == "cuda" and not cfg["colocate"]:
+        pg.eager_connect_single_device(device)
+    if cfg["colocate"]:
+        barrier(pg, device)
+    worker.nanoasync = dict(store=store, pg=pg, bufs=bufs, buckets=buckets, device=device, colocate=cfg["colocate"])
+
+
+def _receive(s):
+    for k, bucket in enumerate(s["buckets"]):
+        flat = s["bufs"][k % 2]
+        *_, (_, _, off, n) = bucket
+        if s["colocate"]:
+            barrier(s["pg"], s["device"])  # bucket k is in place; we are done with k - 1
+        else:
+            s["pg"].broadcast(flat[:off + n], 0).wait()  # NCCL: our stream waits for the data, in stream order
+        for name, shape, off, n in bucket:
+            # a copy: vLLM's reload holds each tensor until the layer it belongs to is complete, which may be
+            # after this buffer is refilled; it frees them layer by layer
+            yield name, flat[off:off + n].view(shape).clone()
+
+
+def load(worker):
+    """Receive the model bucket by bucket and reload it in place with vLLM's own post-load processing."""
+    s = worker.nanoasync
+    if s["device"].type == "cuda":
+        torch.cuda.synchronize()  # no forward pass is still reading the weights about to be overwritten
+    worker.model_runner.reload_weights(weights_iterator=_receive(s))
+    model = worker.model_runner.get_model()
+    if s["device"].type == "cpu" and getattr(model.config, "tie_word_embeddings", False):
+        # the CPU backend packs the output layer for its GEMM; re-pack it from the freshly loaded tied weight
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+    if s["colocate"]:
+        barrier(s["pg"], s["device"])
+    elif s["device"].type == "cuda":
+        torch.cuda.synchronize()  # every stream of this worker sees the new weights

@@ -15,7 +15,7 @@ from conftest import ROOT, free_port
 
 KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max mixed_version_frac dropped_stale "
         "dropped_flat loss trunc_frac logprob_shift_stale grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s "
-        "elapsed_s borrowed_frac").split()
+        "elapsed_s borrowed_frac sync_bytes engine_groups pad_frac").split()
 SYNC = ("--max_staleness=0", "--eval_every=0")
 
 
@@ -111,6 +111,19 @@ def test_two_ranks_train_exactly_like_one(sync_run, tmp_path):
     assert moved > 1e-3 and diff < 1e-5, (moved, diff)
 
 
+@pytest.mark.parametrize("extra", [("--rollout_engines=2",), ("--colocate",)])
+def test_every_engine_samples_what_the_trainer_computes(tiny, tmp_path, extra):
+    """Two engines fed by one broadcast, or one engine fed through shared memory: after every push each engine's
+    logprobs of its fresh tokens equal the trainer's (fp32), and with two engines both generate."""
+    steps, _, _ = train(tmp_path, *SYNC, "--max_steps=6", *extra)
+    assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    for m in steps:
+        assert m["staleness_max"] == 0 and m["logprob_mismatch"] < 1e-4
+        assert m["sync_bytes"] > 0 and len(m["engine_groups"]) == (2 if extra[0].endswith("2") else 1)
+    per_engine = [sum(m["engine_groups"][e] for m in steps) for e in range(len(steps[0]["engine_groups"]))]
+    assert min(per_engine) > 0 and sum(per_engine) == 6 * 4, per_engine
+
+
 def test_kill_9_then_resume_trains_every_prompt_once(sync_run, tmp_path):
     """Everything is SIGKILLed mid-run; --resume continues from the last checkpoint and, step for step, trains the
     very prompts the uninterrupted run trained. Groups generated after the checkpoint are simply generated again."""
@@ -161,7 +174,7 @@ def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_p
     took = time.time() - t0
     print(f"\nrollout process SIGKILLed: trainer exited {took:.1f} s later")
     assert p.returncode != 0
-    assert f"the rollout process (pid {rollout[0].pid}) exited with code -9" in err
+    assert f"rollout process 0 (pid {rollout[0].pid}) exited with code -9" in err
     assert took < 20, took
     assert not ours(tmp_path)
 
@@ -211,7 +224,7 @@ def test_prompts_too_long_are_skipped_and_counted(tiny, tmp_path):
     (["--lr"], "'--lr' has no value: write --lr=VALUE"),
     (["config/nope.py"], "config file 'config/nope.py' not found"),
     (["--max_staleness=-1"], "max_staleness=-1 must be >= 0"),
-    (["--model=data/missing"], "model 'data/missing' is not a Hugging Face model folder"),
+    (["--model=data/missing"], "model 'data/missing' is not a local model folder and could not be loaded from"),
     (["--task=gsm8k"], "task 'gsm8k' needs --data_path=FILE.jsonl"),
     (["--task=gsm8k", "--data_path=data/none.jsonl"], "data_path 'data/none.jsonl' not found"),
     (["--task=poetry"], "unknown task 'poetry'"),

@@ -66,28 +66,64 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
     assert grpo_loss(logp, ref_logp=logp + d, **args)[0].item() == pytest.approx(0.5 * (torch.exp(torch.tensor(d)) - d - 1).item())
 
 
-@pytest.mark.parametrize("width", [0, 40])  # 40: one chunk padded wider than any completion, as FSDP ranks run it
-def test_token_logprobs_equal_one_sequence_at_a_time(tiny, width):
-    """The shared prompt cache, the padding and the length chunks change nothing: every row equals a plain forward
-    of prompt + completion alone, in group order, zero on padding; and gradients flow."""
-    from transformers import AutoModelForCausalLM
-    from loss import token_logprobs
-    model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(5, model.config.vocab_size, (n,), generator=g).tolist()
-    lens = [[1, 17, 3, 30], [9, 2, 30, 30]]  # several chunks, a one-token answer, two prompt lengths
-    groups = [{"prompt_ids": ids(7 + 4 * i), "completions": [{"ids": ids(n)} for n in ls]} for i, ls in enumerate(lens)]
-    logp, mask = token_logprobs(model, groups, 0.7, "cpu", width=width)
-    assert logp.shape == (8, max(30, width)) and mask.sum() == sum(map(sum, lens))
-    row = 0
+def plain_logprobs(model, groups, temperature):
+    """The straightforward computation: each prompt + completion alone, full logits, log_softmax."""
+    rows = []
     for grp in groups:
         for c in grp["completions"]:
-            p, n = grp["prompt_ids"], len(c["ids"])
-            with torch.no_grad():
-                logits = model(torch.tensor([p + c["ids"]])).logits[0, len(p) - 1:-1] / 0.7
-            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c["ids"])[:, None])[:, 0]
-            assert torch.allclose(logp[row, :n].detach(), want, atol=1e-5), row
-            assert (logp[row, n:] == 0).all() and (mask[row, n:] == 0).all() and (mask[row, :n] == 1).all()
-            row += 1
-    logp.sum().backward()
-    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+            p = grp["prompt_ids"]
+            logits = model(torch.tensor([p + c["ids"]])).logits[0, len(p) - 1:-1].float() / temperature
+            rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(c["ids"])[:, None])[:, 0])
+    return rows
+
+
+def random_groups(vocab, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(5, vocab, (n,), generator=g).tolist()
+    return [{"prompt_ids": ids(7 + 4 * i), "completions": [{"ids": ids(n)} for n in ls]} for i, ls in enumerate(lens)]
+
+
+@pytest.mark.parametrize("model_kind, n_chunks", [("tiny", 0), ("tiny", 9), ("vocab50k", 0)])
+def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_kind, n_chunks):
+    """The shared prompt cache, the length chunks (also split further, as FSDP ranks agree on a count, with a
+    dummy chunk when rows run out) and the output layer that scores only the sampled tokens change nothing: every
+    row, and the gradient of every weight, equal a plain full-logits forward of prompt + completion alone."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import loss
+    if model_kind == "tiny":
+        model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
+    else:  # a random 2-layer model with a 50k vocabulary, untied
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50000, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                             head_dim=32, tie_word_embeddings=False))
+    lens = [[1, 17, 3, 30], [9, 2, 30, 30]]  # several chunks, a one-token answer, two prompt lengths
+    groups = random_groups(model.config.vocab_size, lens)
+    logp, mask, (computed, real) = loss.token_logprobs(model, groups, 0.7, "cpu", n_chunks=n_chunks)
+    assert logp.shape == (8, 30) and mask.sum() == sum(map(sum, lens)) and 0.7 < real / computed <= 1
+    w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))  # an arbitrary loss
+    (logp * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = plain_logprobs(model, groups, 0.7)
+    sum((r * w[i, :len(r)]).sum() for i, r in enumerate(want)).backward()
+    for i, r in enumerate(want):
+        n = len(r)
+        assert torch.allclose(logp[i, :n].detach(), r.detach(), atol=1e-5), i
+        assert (logp[i, n:] == 0).all() and (mask[i, n:] == 0).all() and (mask[i, :n] == 1).all()
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_chunks_split_to_an_agreed_count():
+    lengths = [30, 30, 17, 9, 3, 2, 1, 1]
+    plain = loss_mod().plan_chunks(lengths)
+    assert sorted(i for c in plain for i in c) == list(range(8))
+    for n in (len(plain), len(plain) + 2, 10):
+        chunks = loss_mod().plan_chunks(lengths, n_chunks=n)
+        assert len(chunks) == n and sorted(i for c in chunks for i in c if i is not None) == list(range(8))
+
+
+def loss_mod():
+    import loss
+    return loss

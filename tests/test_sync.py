@@ -1,6 +1,9 @@
-"""Weights go from a trainer process into a real vLLM engine in another process over sync.py; afterwards vLLM's
-sampled-token logprobs equal the trainer's own log_softmax(logits / T) on the new weights, and not on the old."""
+"""Weights go from a trainer process into a real vLLM engine in another process: its worker is a rank of the
+weight group and receives them itself (sync.join / sync.load), through a broadcast or, colocated, through shared
+memory. After each push vLLM's sampled-token logprobs equal the trainer's own log_softmax(logits / T) on the new
+weights, and not on the old."""
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -20,34 +23,41 @@ def logprobs(model, prompt, completion, temperature=0.7):
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
-def test_weights_reach_vllm_and_logprobs_match(tiny, kind):
+@pytest.mark.parametrize("kind, colocate", [("tied", False), ("untied", False), ("tied", True)])
+def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate):
     path = tiny[kind]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings == (kind == "tied")
     prompt = AutoTokenizer.from_pretrained(path).encode("What is 12 + 7?")
     port = free_port()
-    peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path, str(port)])
+    # 10 KB buckets: many of them, and the two buffers on each side are refilled many times per push
+    cfg = {"rollout_dtype": "float32", "bucket_mb": 0.01, "colocate": colocate, "rollout_port": port,
+           "timeout_s": 60}
+    store = sync.open_store("127.0.0.1", port, True, 60)
+    store.set("prompt", json.dumps(prompt))
+    peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path, str(port),
+                             json.dumps(cfg)])
     try:
-        ctl, traj, store = sync.connect("127.0.0.1", port, 0, "cpu", 60)
-        meta = [(n, tuple(p.shape)) for n, p in model.state_dict().items()]
-        sync.send_obj(ctl, meta, 1)
-        sync.send_obj(ctl, prompt, 1)
-        old = copy.deepcopy(model)
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        sync.send_header(ctl, 1, 0, has_weights=True)
-        sync.send_weights(ctl, model.state_dict().items(), sync.plan_buckets(meta, 0.01, torch.float32), torch.float32)
-        got = sync.recv_obj(traj, 1)
+        meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied embedding once
+        sender = sync.Sender(store, meta, cfg, torch.device("cpu"), 1)
+        versions = [copy.deepcopy(model)]
+        for k in (1, 2):
+            torch.manual_seed(k)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            store.set(f"push{k}", "1")
+            sent = sync.push(sender, model.named_parameters(), sender.buckets)
+            versions.append(copy.deepcopy(model))
         assert peer.wait(timeout=60) == 0
+        samples = json.loads(store.get("samples"))
     finally:
         peer.kill()
-    assert got["buckets"] > 3
-    for ids, lps in got["before"]:  # before the update vLLM sampled from the old weights
-        assert torch.allclose(torch.tensor(lps), logprobs(old, prompt, ids), atol=1e-4)
-    for ids, lps in got["after"]:
-        lps = torch.tensor(lps)
-        assert torch.allclose(lps, logprobs(model, prompt, ids), atol=1e-4)
-        assert (lps - logprobs(old, prompt, ids)).abs().max() > 1e-2  # a silent no-op update cannot pass
+    assert len(sender.buckets) > 3 and sent == sum(p.numel() for p in model.parameters()) * 4
+    assert not [f for f in os.listdir("/dev/shm") if str(port) in f]  # colocate: nothing left behind
+    for k, got in enumerate(samples):  # vLLM sampled from version k: its logprobs are version k's
+        for ids, lps in got:
+            lps = torch.tensor(lps)
+            assert torch.allclose(lps, logprobs(versions[k], prompt, ids), atol=1e-4), k
+            if k:  # a silent no-op update cannot pass
+                assert (lps - logprobs(versions[k - 1], prompt, ids)).abs().max() > 1e-2

@@ -1,5 +1,7 @@
-"""The vLLM side of test_sync.py: a real engine in its own process that samples, receives weights over sync.py,
-reloads them with rollout.load_weights, and samples again. Usage: python vllm_peer.py MODEL_DIR PORT"""
+"""The vLLM side of test_sync.py: a real engine in its own process whose worker joins the weight group
+(sync.join), samples, receives new weights inside the worker (sync.load), and samples again.
+Usage: python vllm_peer.py MODEL_DIR PORT CONFIG_JSON"""
+import json
 import os
 import sys
 
@@ -8,24 +10,24 @@ import rollout  # noqa: E402  (sets VLLM_ENABLE_V1_MULTIPROCESSING before vllm i
 import sync  # noqa: E402
 
 if __name__ == "__main__":
-    import torch
     from vllm import LLM, SamplingParams
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(model=sys.argv[1], dtype="float32", seed=0, max_model_len=128, enforce_eager=True,
-              logprobs_mode="processed_logprobs")
-    ctl, traj, store = sync.connect("127.0.0.1", int(sys.argv[2]), 1, "cpu", 60)
-    meta = sync.recv_obj(ctl, 0)
-    prompt = sync.recv_obj(ctl, 0)
+    path, port, cfg = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    llm = LLM(model=path, dtype="float32", seed=0, max_model_len=128, enforce_eager=True,
+              logprobs_mode="processed_logprobs", async_scheduling=False)
+    store = sync.open_store("127.0.0.1", port, False, 60)
+    llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
+    prompt = json.loads(store.get("prompt"))
     params = SamplingParams(n=4, temperature=0.7, max_tokens=16, logprobs=0)
 
     def sample():
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for c in out.outputs]
 
-    before = sample()
-    buckets = sync.plan_buckets(meta, 0.01, torch.float32)  # 10 KB buckets: many of them
-    version, _, has_weights, _ = sync.recv_header(ctl)
-    weights = sync.recv_weights(ctl, buckets, torch.float32)
-    llm.collective_rpc(rollout.load_weights, args=(weights,))
-    llm.reset_prefix_cache()
-    sync.send_obj(traj, {"before": before, "after": sample(), "buckets": len(buckets)}, 0)
+    samples = [sample()]
+    for _ in range(2):  # two pushes: the double buffers are reused across pushes too
+        store.wait([f"push{len(samples)}"])
+        llm.collective_rpc(sync.load)
+        llm.reset_prefix_cache()
+        samples.append(sample())
+    store.set("samples", json.dumps(samples))

@@ -1,0 +1,27 @@
+# The GPU recipe on one 80 GB GPU: the trainer and one vLLM engine share it (colocate); the weights pass through
+# CUDA IPC buffers instead of a broadcast. vLLM takes gpu_memory_utilization of the GPU (weights + KV cache),
+# the trainer the rest (fp32 weights, gradients and AdamW of 1.5B parameters: ~25 GB, plus activations).
+#   torchrun --nproc_per_node=1 train.py config/qwen_1gpu.py
+model = "Qwen/Qwen2.5-1.5B-Instruct"
+task = "gsm8k"
+data_path = "openai/gsm8k"
+out_dir = "out/qwen_1gpu"
+max_steps = 200
+batch_groups = 16
+group_size = 16
+max_new_tokens = 512
+temperature = 1.0
+lr = 1e-6
+max_staleness = 1
+eval_every = 20
+eval_n = 500
+colocate = True
+rollout_groups = 32
+rollout_dtype = "bfloat16"
+trainer_dtype = "bfloat16"
+activation_checkpointing = True
+max_model_len = 1024
+gpu_memory_utilization = 0.3
+enforce_eager = False
+bucket_mb = 256
+timeout_s = 600
