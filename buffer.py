@@ -14,6 +14,7 @@ them itself and started their replacements the moment they finished, without wai
 Simplifications: first in, first out; no priority, no replay, no cap on memory beyond what admission control bounds.
 """
 import pickle
+import sys
 import threading
 import time
 
@@ -166,6 +167,22 @@ class Rollouts:
             for k, v in s.items():
                 out[k] = max(out.get(k, 0), v) if k == "rollout_rss_mb" else out.get(k, 0) + v
         return out
+
+    def wait_for_eval(self, version, timeout_s):
+        deadline = time.time() + timeout_s
+        while not any(e["version"] == version for e in self.evals) and time.time() < deadline:
+            self.check_alive()
+            time.sleep(0.1)
+
+    def explain(self, error, step):
+        """If a rollout process died, say which and with what exit code (its own error is printed above)."""
+        time.sleep(1)
+        dead = [(e, p) for e, p in enumerate(self.procs) if p.poll() is not None]
+        for e, p in dead[:1]:
+            print(f"error: rollout process {e} (pid {p.pid}) exited with code {p.returncode}, so training "
+                  f"stopped at step {step} ({type(error).__name__}: {str(error)[:200]}); its own error, if any, "
+                  "is printed above", file=sys.stderr)
+        return bool(dead)
 
     def stop(self, version, timeout_s):
         sync.send_header(self.ctl, version, stop=True)

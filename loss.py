@@ -15,13 +15,13 @@ began them (AReaL's "decoupled" loss clips against that proximal policy and weig
 batch gets one optimizer step, so pi_old = pi_theta when the gradient is taken and that clip never binds. Clipping
 against pi_behav instead (asymmetric, 0.8..1.28) is not a trust region but a penalty on staleness: the tokens it
 silences are the ones the previous step already moved most, which on the arithmetic task are the few tokens that
-decide the answer. Measured on the CPU demo (eta = 1, two seeds), that clip cut 2.6-2.8% of stale tokens and async
-fell more than its one version of staleness behind sync (mean train reward of its last nine of ten steps: 0.35 and
-0.36, against 0.47 and 0.50 for sync's first nine); with the truncated weight it is one version behind, no more (0.48
-and 0.49). See README "Off-policy correction: measured".
+decide the answer; measured, async then fell behind sync by more than its staleness (docs/LOG.md, "Off-policy
+correction").
 
 token_logprobs() scores the sampled tokens under the trainer's model the way the sampler drew them:
-log_softmax(logits / T), the same distribution vLLM reports with logprobs_mode="processed_logprobs".
+log_softmax(logits / T), the same distribution vLLM reports with logprobs_mode="processed_logprobs". Its output
+layer computes the logits of a chunk of positions at a time and keeps only the sampled tokens' logprobs
+(SampledLogprob), so the [positions x vocabulary] logits never exist whole, in forward or backward.
 
 Simplifications: one optimizer step per batch (so no separate "old policy" pass and no clip); the optional KL to a
 reference policy uses the k3 estimator per token.
@@ -110,7 +110,7 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
     n = len(groups[0]["completions"])
     prompts = [g["prompt_ids"] for g in groups]
     comps = [c["ids"] for g in groups for c in g["completions"]]
-    P, T = max(map(len, prompts)), max(map(len, comps))
+    P, T = max(map(len, prompts)), max(max(map(len, comps)), 2)
     pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T, dtype=torch.long)
     pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
     for i, p in enumerate(prompts):
@@ -127,7 +127,8 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
         dummy = rows == [None]
         rows = [min(range(len(comps)), key=lambda i: len(comps[i]))] if dummy else rows
         idx = torch.tensor(rows, device=device)
-        lp, Tc = first[idx], len(comps[rows[0]])
+        # with n_chunks (several FSDP ranks) every chunk runs a forward, even of one-token answers
+        lp, Tc = first[idx], max(len(comps[rows[0]]), 2 if n_chunks else 1)
         if Tc > 1:  # a fresh cache holding these rows' prompts; the forward appends the completion to it
             cache = DynamicCache()
             for layer, kv in enumerate(out.past_key_values.layers):

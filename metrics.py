@@ -15,6 +15,17 @@ import sys
 SUMS = ("loss", "trunc_fresh", "fresh", "trunc_stale", "stale", "shift_fresh", "shift_stale", "computed", "real")
 
 
+def token_sums(loss, trunc, logp, behav, mask, fresh, positions):
+    """One micro-batch's share of SUMS. fresh: tokens sampled by the weights being trained (staleness 0)."""
+    import torch
+    fresh = fresh & (mask > 0)
+    stale = (mask > 0) & ~fresh
+    shift = (logp.detach() - behav).abs()  # |log rho|
+    return torch.stack([x.float().sum() for x in (
+        loss.detach(), trunc & fresh, fresh, trunc & stale, stale, shift * fresh, shift * stale,
+        *map(torch.tensor, positions))]).to(logp.device)
+
+
 def ratio(a, b):
     return a / b if b else None  # None: no such tokens in this step
 
@@ -54,14 +65,53 @@ def eval_row(e, t_start):
             "eval_n": e["eval_n"], "elapsed_s": e["t"] - t_start}
 
 
-def open_log(out_dir, start):
-    """A fresh run, a fresh log; a resumed one keeps what led up to its checkpoint."""
-    path = os.path.join(out_dir, "metrics.jsonl")
+def reopen(path, start):
+    """A fresh run, a fresh file; a resumed one keeps the lines that led up to its checkpoint."""
     kept = [line for line in open(path) if json.loads(line)["step"] < start] \
         if start and os.path.exists(path) else []
-    log = open(path, "w")
-    log.writelines(kept)
-    return log
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
+
+
+class Log:
+    """Rank 0's outputs: metrics.jsonl, samples.jsonl (a few completions per step, to read what the model
+    writes), and Weights & Biases when wandb_log is set."""
+
+    def __init__(self, cfg, start, t_start):
+        self.t_start, self.wandb = t_start, None
+        self.metrics = reopen(os.path.join(cfg["out_dir"], "metrics.jsonl"), start)
+        self.samples = reopen(os.path.join(cfg["out_dir"], "samples.jsonl"), start)
+        if cfg["wandb_log"]:
+            import wandb
+            self.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or None, config=cfg,
+                                    dir=cfg["out_dir"])
+
+    def step(self, m, groups, evals):
+        print(console(m), flush=True)
+        self.metrics.write(json.dumps(m) + "\n")
+        for g in groups[:2]:
+            for c in g["completions"][:2]:
+                self.samples.write(json.dumps({"step": m["step"], "prompt": g["prompt"], "completion": c["text"],
+                                               "reward": c["reward"], "versions": sorted(set(c["versions"]))}) + "\n")
+        if self.wandb:
+            self.wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=m["version"])
+        self.evals(evals)
+
+    def evals(self, evals):
+        while evals:
+            e = eval_row(evals.pop(0), self.t_start)
+            self.metrics.write(json.dumps(e) + "\n")
+            if self.wandb:
+                self.wandb.log({"eval_accuracy": e["eval_accuracy"]}, step=e["version"])
+        self.metrics.flush()
+        self.samples.flush()
+
+    def close(self):
+        self.metrics.close()
+        self.samples.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 def plot(run_dir):

@@ -61,6 +61,25 @@ def placement(cfg, world, local_world, gpus):
     return [gpus[local_world + e * tp:local_world + (e + 1) * tp] for e in range(E)]
 
 
+def place(cfg, world, local_world, device, master):
+    """-> (GPUs of the first node for each engine, CPU cores the trainer may borrow). CPU: vLLM on rollout_cpus,
+    the trainer ranks on the other cores, as two GPUs would be. Raises ValueError with the fix."""
+    engine_gpus, borrow = [[] for _ in range(cfg["rollout_engines"])], 0
+    if device.type == "cuda":
+        import torch
+        torch.cuda.set_device(device)
+        if master:
+            gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+            engine_gpus = placement(cfg, world, local_world, gpus.split(","))
+    elif cfg["rollout_cpus"]:
+        # vLLM sits idle once it has generated all that staleness allows, until the next weights (a synchronous
+        # run's whole training phase); a lone trainer rank then runs more threads, on vLLM's cores too
+        borrow = len(cpus(cfg["rollout_cpus"])) if cfg["borrow_cpus"] and world == 1 else 0
+        if not borrow:
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus(cfg["rollout_cpus"]))
+    return engine_gpus, borrow
+
+
 def cpus(spec):
     """rollout_cpus "1" or "2-3" -> {cores}"""
     lo, _, hi = spec.partition("-")
@@ -299,10 +318,11 @@ class Rollout:
         import sync
         from buffer import is_flat
         for c in g["comps"]:
-            c["reward"], failed = reward.score(c.pop("text"), g["problem"]["answer"], self.cfg["reward_timeout_s"])
+            c["reward"], failed = reward.score(c["text"], g["problem"]["answer"], self.cfg["reward_timeout_s"])
             self.counters["reward_failed"] += failed
             self.counters["rollout_tokens"] += len(c["ids"])
-        msg = {"kind": "group", "pos": g["pos"], "prompt_ids": self.encode(g["problem"]), "engine": self.e,
+        msg = {"kind": "group", "pos": g["pos"], "prompt": g["problem"]["prompt"], "engine": self.e,
+               "prompt_ids": self.encode(g["problem"]),
                "completions": g["comps"], "version_min": min(min(c["versions"], default=self.version)
                                                              for c in g["comps"]),
                "version_max": max(max(c["versions"], default=self.version) for c in g["comps"])}

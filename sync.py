@@ -218,17 +218,26 @@ def join(worker, host, port, first_rank, world, cfg):
 
 
 def _receive(s):
-    for k, bucket in enumerate(s["buckets"]):
+    """Yield the model's tensors, bucket by bucket: bucket k + 1 is on its way while vLLM loads bucket k."""
+    buckets, works = s["buckets"], {}
+
+    def post(k):  # NCCL: queued on our stream, behind the copies out of this buffer's previous bucket
+        if k < len(buckets) and not s["colocate"]:
+            *_, (_, _, off, n) = buckets[k]
+            works[k] = s["pg"].broadcast(s["bufs"][k % 2][:off + n], 0)
+
+    post(0)
+    for k, bucket in enumerate(buckets):
         flat = s["bufs"][k % 2]
-        *_, (_, _, off, n) = bucket
         if s["colocate"]:
             barrier(s["pg"], s["device"])  # bucket k is in place; we are done with k - 1
         else:
-            s["pg"].broadcast(flat[:off + n], 0).wait()  # NCCL: our stream waits for the data, in stream order
-        for name, shape, off, n in bucket:
-            # a copy: vLLM's reload holds each tensor until the layer it belongs to is complete, which may be
-            # after this buffer is refilled; it frees them layer by layer
-            yield name, flat[off:off + n].view(shape).clone()
+            works.pop(k).wait()  # NCCL: our stream waits for the data, in stream order
+        # copies: vLLM's reload holds each tensor until the layer it belongs to is complete, which may be after
+        # this buffer is refilled; it frees them layer by layer
+        tensors = [(name, flat[off:off + n].view(shape).clone()) for name, shape, off, n in bucket]
+        post(k + 1)
+        yield from tensors
 
 
 def load(worker):

@@ -8,7 +8,7 @@ step, the loop below:
   1. takes a batch of groups from the buffer (the only place it ever waits for generation),
   2. computes the GRPO loss (loss.py) in micro-batches and steps the optimizer,
   3. pushes the new weights to every vLLM worker (sync.py), which load them between two engine steps,
-  4. logs one line and one JSON object to {out_dir}/metrics.jsonl (metrics.py).
+  4. logs a line, a JSON object to {out_dir}/metrics.jsonl and a few completions to samples.jsonl (metrics.py).
 Version k = the weights after k optimizer steps; batch k is trained at version k. With ckpt_every,
 {out_dir}/ckpt.pt holds the weights, AdamW, the version and the prompt stream position; --resume goes on from it
 exactly. Ctrl-C or SIGTERM stops every rank at the next step boundary, after writing that checkpoint.
@@ -25,6 +25,20 @@ import signal
 import sys
 import time
 from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import buffer as buf
+import configurator
+import loss as L
+import metrics
+import rollout
+import sync
 
 # -----------------------------------------------------------------------------------------------------------------
 # default config; config/*.py files and --key=value override these (and only these) keys (configurator.py)
@@ -70,11 +84,12 @@ rollout_port = 29600
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
 reward_timeout_s = 5.0
 max_bad_steps = 3  # this many NaN/inf gradients in a row (each step skipped) stop the run
+wandb_log = False  # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works without network)
+wandb_project = "nanoasync"
+wandb_run_name = ""
 ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, and on Ctrl-C/SIGTERM; 0 = never
 resume = False  # continue from {out_dir}/ckpt.pt: weights, optimizer, version, prompt stream position
 # -----------------------------------------------------------------------------------------------------------------
-import configurator  # noqa: E402
-
 config = configurator.apply(globals(), sys.argv[1:])
 for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
              ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
@@ -83,39 +98,13 @@ rank, world, local_world = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "
 master = rank == 0
 config = configurator.check(config, world)
 model = config["model"]  # a hub id is now a local folder in the hub cache
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-import buffer as buf  # noqa: E402
-import loss as L  # noqa: E402
-import metrics  # noqa: E402
-import rollout  # noqa: E402
-import sync  # noqa: E402
 
 # ---- placement: trainer ranks on the first GPUs of each node, the engines after them on the first node ----
 device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
-engine_gpus = [[] for _ in range(rollout_engines)]
-if device.type == "cuda" and master:
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
-    try:
-        engine_gpus = rollout.placement(config, world, local_world, gpus)
-    except ValueError as e:
-        configurator.die(str(e))
-    torch.cuda.set_device(device)
-elif device.type == "cuda":
-    torch.cuda.set_device(device)
-borrow = 0  # CPU: vLLM on rollout_cpus, the trainer on the other cores (as two GPUs would be)
-if device.type == "cpu" and rollout_cpus:
-    affinity = rollout.cpus(rollout_cpus)
-    # vLLM sits idle once it has generated all that staleness allows, until the next weights (a synchronous
-    # run's whole training phase); a lone trainer rank then runs more threads, on vLLM's cores too
-    borrow = len(affinity) if borrow_cpus and world == 1 else 0
-    if not borrow:
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - affinity)
+try:
+    engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
+except ValueError as e:
+    configurator.die(str(e))
 dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
                         device_id=device if device.type == "cuda" else None)
 torch.manual_seed(seed)
@@ -196,11 +185,11 @@ if master:
         fleet = buf.Rollouts(config, meta, device, engine_gpus, ckpt, lambda: bool(stop_signal))
     except (RuntimeError, TimeoutError) as e:  # port taken, or a rollout process died while starting
         configurator.die(str(e))
-    log = metrics.open_log(out_dir, start)
 samples, gen_tokens = ckpt.get("samples", 0), ckpt.get("gen_tokens", 0)
 skipped_steps = bad_in_a_row = 0
 version = step = start
 t_start = time.perf_counter() - ckpt.get("elapsed_s", 0.0)
+log = metrics.Log(config, start, t_start) if master else None
 
 
 def resume_state():
@@ -225,6 +214,7 @@ try:
         batch = t_wait = None  # rank 0 sends None to every rank to stop the run at this step boundary
         if master and not stop_signal:
             try:
+                # the overlap, 1 of 2: a batch the engines generated while the previous step trained
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive)
                 n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"])  # flat groups' tokens too
                 batch = buf.split(buf.worth_a_forward(groups, world, kl_coef > 0), world), n_tok
@@ -267,13 +257,8 @@ try:
                     ref_logp, _, _ = L.token_logprobs(reference, mb, temperature, device, n_chunks=n_chunks)
             loss, trunc = L.grpo_loss(logp, behav, adv, mask, n_tok, tis_cap, ref_logp, kl_coef)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global token mean
-            # tokens sampled by the weights trained right now (staleness 0) vs by older ones
-            fresh = (pad([c["versions"] for c in comps], logp.shape[1]) == step) & (mask > 0)
-            stale = (mask > 0) & ~fresh
-            shift = (logp.detach() - behav).abs()  # |log rho|
-            sums += torch.stack([x.float().sum() for x in (loss.detach(), (trunc & fresh).sum(), fresh.sum(),
-                                 (trunc & stale).sum(), stale.sum(), (shift * fresh).sum(), (shift * stale).sum(),
-                                 *map(torch.tensor, positions))])
+            versions = pad([c["versions"] for c in comps], logp.shape[1])
+            sums += metrics.token_sums(loss, trunc, logp, behav, mask, versions == step, positions)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         if torch.isfinite(grad_norm):  # the same on every rank: the norm is global
@@ -291,7 +276,7 @@ try:
         version = step + 1
         # ---- 3. new weights to every engine, which loads them without stopping generation ----
         t0 = time.perf_counter()
-        sync_bytes = push_weights(version)
+        sync_bytes = push_weights(version)  # the overlap, 2 of 2: the engines load it between two steps
         t_sync = time.perf_counter() - t0
         # ---- 4. log ----
         if master:
@@ -306,12 +291,8 @@ try:
                 elapsed_s=time.perf_counter() - t_start,
                 borrowed_frac=borrowed / max(len(range(0, len(mine), micro_batch_groups)), 1),
                 trainer_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **fleet.rollout_stats())
-            print(metrics.console(m), flush=True)
             fleet.consume(seen)
-            log.write(json.dumps(m) + "\n")
-            while fleet.evals:
-                log.write(json.dumps(metrics.eval_row(fleet.evals.pop(0), t_start)) + "\n")
-            log.flush()
+            log.step(m, groups, fleet.evals)
         if ckpt_every and version % ckpt_every == 0:
             save_checkpoint(version, resume_state())
     # ---- the end: the final eval, the model in Hugging Face format ----
@@ -321,12 +302,9 @@ try:
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
         policy.save_pretrained(out_dir, state_dict=full)
-        deadline = time.time() + timeout_s
-        while eval_every > 0 and not any(e["version"] == max_steps for e in fleet.evals) and time.time() < deadline:
-            fleet.check_alive()
-            time.sleep(0.1)
-        for e in fleet.evals:
-            log.write(json.dumps(metrics.eval_row(e, t_start)) + "\n")
+        if eval_every > 0:
+            fleet.wait_for_eval(max_steps, timeout_s)
+        log.evals(fleet.evals)
         log.close()
         fleet.stop(max_steps, timeout_s)
         try:
@@ -339,16 +317,8 @@ except buf.Stopped:
         print(f"stopped by {signal.Signals(stop_signal[0]).name} at step {step}{saved}", file=sys.stderr, flush=True)
     sys.exit(128 + stop_signal[0])
 except Exception as e:
-    if not master:
+    if not master or not fleet.explain(e, step):  # a broken connection usually means a rollout process died
         raise
-    time.sleep(1)  # a broken connection usually means a rollout process died: say which, with its exit code
-    dead = [(i, p) for i, p in enumerate(fleet.procs) if p.poll() is not None]
-    if not dead:
-        raise
-    i, p = dead[0]
-    print(f"error: rollout process {i} (pid {p.pid}) exited with code {p.returncode}, so training stopped at "
-          f"step {step} ({type(e).__name__}: {str(e)[:200]}); its own error, if any, is printed above",
-          file=sys.stderr)
     sys.exit(1)
 finally:
     if master:

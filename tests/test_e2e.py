@@ -63,7 +63,8 @@ def sync_run(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("nproc, eta", [(1, 1), (2, 2)])
 def test_async_run(tiny, tmp_path, nproc, eta):
-    steps, evals, _ = train(tmp_path, f"--max_staleness={eta}", "--max_steps=6", nproc=nproc)
+    steps, evals, _ = train(tmp_path, f"--max_staleness={eta}", "--max_steps=6", f"--wandb_log={nproc == 1}",
+                            nproc=nproc)
     assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
     for m in steps:
         assert all(k in m for k in KEYS), set(KEYS) - set(m)
@@ -75,6 +76,10 @@ def test_async_run(tiny, tmp_path, nproc, eta):
     assert len(trained) == len(set(trained)) == 6 * 4  # no prompt trained twice
     config = json.load(open(tmp_path / "train_config.json"))
     assert config["max_staleness"] == eta and config["max_steps"] == 6
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert len(samples) == 6 * 4 and {"prompt", "completion", "reward", "versions"} <= set(samples[0])
+    assert samples[0]["prompt"].startswith("What is ") and samples[-1]["step"] == 5
+    assert (tmp_path / "wandb").is_dir() == (nproc == 1)  # --wandb_log: an offline run beside the metrics
     from transformers import AutoModelForCausalLM
     trained = AutoModelForCausalLM.from_pretrained(tmp_path)  # the final model, in Hugging Face format
     assert trained.config.vocab_size == 512

@@ -127,3 +127,18 @@ def test_chunks_split_to_an_agreed_count():
 def loss_mod():
     import loss
     return loss
+
+
+def test_two_ranks_with_very_different_lengths_step_like_one(tiny, tmp_path):
+    """FSDP2 over 2 gloo ranks, one with 1-3 token answers and one with ~40, each running as many chunks as the
+    other (not as wide): the same weights after a step as 1 rank on the whole batch."""
+    import subprocess
+    import sys
+    from conftest import ROOT, free_port
+    for w in (1, 2):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={w}",
+                        f"--master_port={free_port()}", "tests/fsdp_peer.py", tiny["tied"], str(tmp_path / f"{w}.pt")],
+                       cwd=ROOT, check=True, timeout=300, capture_output=True)
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    for name in one:
+        assert torch.allclose(one[name], two[name], atol=1e-6), name

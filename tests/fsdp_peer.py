@@ -1,0 +1,42 @@
+"""Run by test_loss.py under torchrun: one optimizer step of FSDP2 (as train.py wraps it) on a fixed batch of
+groups whose completions have very different lengths, dealt out to the ranks as train.py deals them; ranks agree
+on the number of chunks, as train.py does. Rank 0 saves the weights after the step.
+Usage: torchrun --nproc_per_node=W fsdp_peer.py MODEL_DIR OUT_FILE"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import buffer  # noqa: E402
+import loss  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
+g = torch.Generator().manual_seed(0)
+ids = lambda n: torch.randint(5, 500, (n,), generator=g).tolist()
+lens = [[1, 2, 2, 3], [40, 41, 1, 3], [5, 6, 7, 8], [39, 2, 40, 1]]  # rank 1 gets the long ones
+groups = [{"prompt_ids": ids(5 + i), "completions": [{"ids": ids(n), "reward": float(i == j)}
+                                                     for j, n in enumerate(ls)]} for i, ls in enumerate(lens)]
+n_tok = float(sum(map(sum, lens)))
+for grp in buffer.split(groups, world)[rank]:  # one group per micro-batch
+    n_chunks = torch.tensor([len(loss.plan_chunks([len(c["ids"]) for c in grp["completions"]]))])
+    dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
+    logp, mask, _ = loss.token_logprobs(model, [grp], 0.7, "cpu", n_chunks=int(n_chunks))
+    adv = loss.group_advantages(torch.tensor([c["reward"] for c in grp["completions"]]), 4)
+    out, _ = loss.grpo_loss(logp, logp.detach(), adv, mask, n_tok)
+    (out * world).backward()
+opt.step()
+full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+if rank == 0:
+    torch.save(full, sys.argv[2])
+dist.destroy_process_group()
