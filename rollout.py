@@ -12,7 +12,9 @@ Each process drives its engine one step at a time (continuous batching) and betw
   3. grades finished groups (reward.py) and sends them to the trainer with the sampled tokens' logprobs under the
      distribution actually sampled (logprobs_mode="processed_logprobs": log_softmax(logits / T)).
 Held-out eval (greedy, pass@1) runs in engine 0 every eval_every versions; its weight loads wait while an eval is
-in flight, so each eval sees exactly one version.
+in flight, so each eval sees exactly one version. The push of new weights reaches every engine at once, so while a
+load waits for an eval, every engine and the trainer wait too: engine 0 then admits nothing new, and an eval must
+end within timeout_s.
 
 The training prompts form one endless stream: position k is problem perm_e[k mod N] of epoch e = k // N, each epoch
 a seeded shuffle. Engines take positions from a shared counter; every group carries its position, so a checkpoint
