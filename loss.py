@@ -34,17 +34,22 @@ from transformers import DynamicCache
 
 class SampledLogprob(torch.autograd.Function):
     """log_softmax(h @ w.T / T) at the sampled ids, `rows` positions at a time: the [positions x vocabulary]
-    logits exist for one chunk at once, in fp32, in forward and again (recomputed) in backward.
+    logits exist for one chunk at once, in fp32. Backward recomputes each chunk's softmax, unless all of them
+    together fit in keep_mb (a small vocabulary or a short micro-batch): then forward keeps them.
     h [N, H], w [V, H], ids [N, K] (K targets per position) -> [N, K] fp32."""
 
     @staticmethod
-    def forward(ctx, h, w, ids, temperature, rows):
-        out = []
+    def forward(ctx, h, w, ids, temperature, rows, keep_mb):
+        out, kept = [], []
+        keep = h.shape[0] * w.shape[0] * 4 <= keep_mb * 2**20
         for i in range(0, h.shape[0], rows):
             z = (h[i:i + rows] @ w.t()).float() / temperature
-            out.append(z.gather(1, ids[i:i + rows]) - z.logsumexp(1, keepdim=True))
+            lse = z.logsumexp(1, keepdim=True)
+            out.append(z.gather(1, ids[i:i + rows]) - lse)
+            if keep:
+                kept.append(z.sub_(lse).exp_())  # the softmax, in place of the logits
         ctx.save_for_backward(h, w, ids)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.kept = temperature, rows, kept
         return torch.cat(out)
 
     @staticmethod
@@ -52,24 +57,26 @@ class SampledLogprob(torch.autograd.Function):
         h, w, ids = ctx.saved_tensors
         T, rows = ctx.temperature, ctx.rows
         dh, dw = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        for i in range(0, h.shape[0], rows):
+        for c, i in enumerate(range(0, h.shape[0], rows)):
             hc, gc = h[i:i + rows], g[i:i + rows]
-            z = (hc @ w.t()).float() / T
-            dz = torch.softmax(z, 1) * -gc.sum(1, keepdim=True)  # d/dz of z[y] - logsumexp(z) = onehot(y) - p
+            p = ctx.kept[c] if ctx.kept else torch.softmax((hc @ w.t()).float() / T, 1)
+            dz = p * -gc.sum(1, keepdim=True)  # d/dz of z[y] - logsumexp(z) = onehot(y) - softmax(z)
             dz = (dz.scatter_add_(1, ids[i:i + rows], gc) / T).to(h.dtype)
             dh[i:i + rows] = dz @ w
             dw += (dz.t() @ hc).float()
-        return dh, dw.to(w.dtype), None, None, None
+        ctx.kept = None
+        return dh, dw.to(w.dtype), None, None, None, None
 
 
 @contextmanager
-def scoring(net, ids, temperature, rows=1024):
+def scoring(net, ids, temperature, rows=1024, keep_mb=512):
     """The output layer returns the logprobs of `ids` [B, T, K] instead of logits [B, T, V] for one forward
     call (swapping its forward keeps FSDP's hooks, which sit on the root module, untouched)."""
     head = net.get_output_embeddings()
+    # (a copy, not a view: FSDP hooks its backward onto the output, which a view may lose)
     head.forward = lambda h: SampledLogprob.apply(h.reshape(-1, h.shape[-1]), head.weight,
-                                                  ids.reshape(-1, ids.shape[-1]), temperature,
-                                                  rows).view(*h.shape[:-1], ids.shape[-1])
+                                                  ids.reshape(-1, ids.shape[-1]), temperature, rows,
+                                                  keep_mb).view(*h.shape[:-1], ids.shape[-1]).clone()
     try:
         yield
     finally:

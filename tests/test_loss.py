@@ -83,8 +83,9 @@ def random_groups(vocab, lens, seed=0):
     return [{"prompt_ids": ids(7 + 4 * i), "completions": [{"ids": ids(n)} for n in ls]} for i, ls in enumerate(lens)]
 
 
-@pytest.mark.parametrize("model_kind, n_chunks", [("tiny", 0), ("tiny", 9), ("vocab50k", 0)])
-def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_kind, n_chunks):
+@pytest.mark.parametrize("model_kind, n_chunks, keep_mb", [("tiny", 0, 512), ("tiny", 9, 512),
+                                                         ("vocab50k", 0, 512), ("vocab50k", 0, 0)])
+def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_kind, n_chunks, keep_mb, monkeypatch):
     """The shared prompt cache, the length chunks (also split further, as FSDP ranks agree on a count, with a
     dummy chunk when rows run out) and the output layer that scores only the sampled tokens change nothing: every
     row, and the gradient of every weight, equal a plain full-logits forward of prompt + completion alone."""
@@ -99,6 +100,8 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
                                              head_dim=32, tie_word_embeddings=False))
     lens = [[1, 17, 3, 30], [9, 2, 30, 30]]  # several chunks, a one-token answer, two prompt lengths
     groups = random_groups(model.config.vocab_size, lens)
+    # keep_mb=0 and 16-position output chunks: the output layer recomputes its softmax in backward, chunk by chunk
+    monkeypatch.setattr(loss.scoring.__wrapped__, "__defaults__", (16, 0) if keep_mb == 0 else (1024, 512))
     logp, mask, (computed, real) = loss.token_logprobs(model, groups, 0.7, "cpu", n_chunks=n_chunks)
     assert logp.shape == (8, 30) and mask.sum() == sum(map(sum, lens)) and 0.7 < real / computed <= 1
     w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))  # an arbitrary loss
