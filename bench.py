@@ -126,8 +126,8 @@ if __name__ == "__main__":
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    sender = sync.Sender(store, meta, {"rollout_dtype": "float32", "bucket_mb": bucket_mb, "colocate": False,
-                                       "timeout_s": 60}, torch.device("cpu"), 1)
+    sender = sync.Sender(store, sync.plan_buckets(meta, bucket_mb, torch.float32),
+                         {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60}, torch.device("cpu"), 1)
     flat = torch.zeros(sender.bytes // 4)
     store.set("numel", str(flat.numel()))
     pushed, raw = [], []

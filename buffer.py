@@ -99,7 +99,7 @@ def split(groups, world_size):
 class Rollouts:
     """Trainer rank 0's end of the rollout processes. The other ranks only join the weight gathers (sync.push)."""
 
-    def __init__(self, cfg, meta, device, engine_gpus, ckpt, stop_requested):
+    def __init__(self, cfg, buckets, device, engine_gpus, ckpt, stop_requested):
         E, timeout = cfg["rollout_engines"], cfg["timeout_s"]
         self.cfg, self.stop_requested = cfg, stop_requested
         self.consumed = set(ckpt.get("done", []))  # prompt stream positions taken out of the buffer ...
@@ -112,7 +112,7 @@ class Rollouts:
         self.procs = rollout.spawn(cfg, engine_gpus)
         sync.wait_for(self.store, [f"joined{e}" for e in range(E)], timeout, self.check_alive)
         self.ctl, trajs = sync.connect(self.store, 0, E, timeout)
-        self.sender = sync.Sender(self.store, meta, cfg, device, E * cfg["tensor_parallel_size"])
+        self.sender = sync.Sender(self.store, buckets, cfg, device, E * cfg["tensor_parallel_size"])
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], self.discard, timeout)
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
         self.discarded, self.evals, self.stats = 0, [], {}

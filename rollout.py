@@ -76,9 +76,10 @@ def place(cfg, world, local_world, device, master):
     elif cfg["rollout_cpus"]:
         # vLLM sits idle once it has generated all that staleness allows, until the next weights (a synchronous
         # run's whole training phase); a lone trainer rank then runs more threads, on vLLM's cores too
-        borrow = len(cpus(cfg["rollout_cpus"])) if cfg["borrow_cpus"] and world == 1 else 0
+        cores = cpus(cfg["rollout_cpus"])
+        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0
         if not borrow:
-            os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus(cfg["rollout_cpus"]))
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
     return engine_gpus, borrow
 
 

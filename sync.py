@@ -133,10 +133,11 @@ def barrier(pg, device):
 class Sender:
     """Trainer rank 0's end of the weight group. Holds the group and the two bucket buffers for the run."""
 
-    def __init__(self, store, meta, cfg, device, workers):
+    def __init__(self, store, buckets, cfg, device, workers):
+        """buckets: plan_buckets() of the model, in cfg["rollout_dtype"]; the workers read it from the store."""
         self.dtype, self.device, self.colocate = getattr(torch, cfg["rollout_dtype"]), device, cfg["colocate"]
-        self.buckets = plan_buckets(meta, cfg["bucket_mb"], self.dtype)
-        store.set("plan", pickle.dumps(self.buckets))
+        self.buckets = buckets
+        store.set("plan", pickle.dumps(buckets))
         n = bucket_numel(self.buckets)
         if self.colocate and device.type == "cpu":
             port = cfg["rollout_port"]

@@ -131,17 +131,20 @@ if kl_coef > 0:
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
 
 
+def hf_name(name):  # the checkpoint wrapper inserts itself into parameter names
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def full_weights(dtype=compute_dtype):
     """(HF name, full tensor), by default in the trainer's compute dtype: each shard is cast before the gather
     (half the bytes of fp32 in bf16), and a tied embedding comes once (named_parameters skips the alias)."""
     for name, p in policy.named_parameters():
         p = p.detach().to(dtype)
-        yield name.replace("_checkpoint_wrapped_module.", ""), p.full_tensor() if isinstance(p, DTensor) else p
+        yield hf_name(name), p.full_tensor() if isinstance(p, DTensor) else p
 
 
-meta = [(name, tuple(p.shape)) for name, p in policy.named_parameters()]
-meta = [(name.replace("_checkpoint_wrapped_module.", ""), shape) for name, shape in meta]
-buckets = sync.plan_buckets(meta, bucket_mb, getattr(torch, rollout_dtype))
+meta = [(hf_name(name), tuple(p.shape)) for name, p in policy.named_parameters()]
+buckets = sync.plan_buckets(meta, bucket_mb, getattr(torch, rollout_dtype))  # the same plan on every side
 
 
 def save_checkpoint(version, state):
@@ -182,7 +185,7 @@ if master:
     os.makedirs(out_dir, exist_ok=True)
     json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)  # config.json: the model's
     try:
-        fleet = buf.Rollouts(config, meta, device, engine_gpus, ckpt, lambda: bool(stop_signal))
+        fleet = buf.Rollouts(config, buckets, device, engine_gpus, ckpt, lambda: bool(stop_signal))
     except (RuntimeError, TimeoutError) as e:  # port taken, or a rollout process died while starting
         configurator.die(str(e))
 samples, gen_tokens = ckpt.get("samples", 0), ckpt.get("gen_tokens", 0)

@@ -30,16 +30,15 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate):
     assert model.config.tie_word_embeddings == (kind == "tied")
     prompt = AutoTokenizer.from_pretrained(path).encode("What is 12 + 7?")
     port = free_port()
-    # 10 KB buckets: many of them, and the two buffers on each side are refilled many times per push
-    cfg = {"rollout_dtype": "float32", "bucket_mb": 0.01, "colocate": colocate, "rollout_port": port,
-           "timeout_s": 60}
+    cfg = {"rollout_dtype": "float32", "colocate": colocate, "rollout_port": port, "timeout_s": 60}
     store = sync.open_store("127.0.0.1", port, True, 60)
     store.set("prompt", json.dumps(prompt))
     peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path, str(port),
                              json.dumps(cfg)])
     try:
         meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied embedding once
-        sender = sync.Sender(store, meta, cfg, torch.device("cpu"), 1)
+        # 10 KB buckets: many of them, and the two buffers on each side are refilled many times per push
+        sender = sync.Sender(store, sync.plan_buckets(meta, 0.01, torch.float32), cfg, torch.device("cpu"), 1)
         versions = [copy.deepcopy(model)]
         for k in (1, 2):
             torch.manual_seed(k)
