@@ -146,13 +146,14 @@ if __name__ == "__main__":
 
 
 def trainer_only():
-    """The trainer step alone at the GPU recipe's shape, nothing downloaded: a Qwen2.5-1.5B-shaped model with random
-    weights (on CPU a small model of the same vocabulary), FSDP2 exactly as train.py wraps it, groups of 16
-    completions of mixed lengths up to `tokens` sharing one prompt, one group per micro-batch, as train.py runs
-    them (loss.token_logprobs). Prints tokens/s, MFU (6 N tokens / time / peak), peak memory and pad_frac."""
+    """The trainer step alone at the GPU recipe's shape, nothing downloaded: a Qwen2.5-1.5B-shaped model
+    with random weights (on CPU a small model of the same vocabulary), wrapped as train.py wraps it
+    (loss.shard), groups of 16 completions of mixed lengths up to `tokens` sharing one prompt, one group
+    per micro-batch (loss.token_logprobs). Prints tokens/s, MFU (6 N tokens / time / peak), peak memory,
+    pad_frac. --checkpointing=1: whole-layer activation checkpointing. --no_sync=1: accumulate the
+    gradients unsharded across micro-batches, reduce-scattered once (FSDP's no-sync), to compare."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import Qwen2Config, Qwen2ForCausalLM
     import loss as L
     gpu = torch.cuda.is_available()
@@ -161,30 +162,30 @@ def trainer_only():
     if gpu:
         torch.cuda.set_device(device)
     big = args.get("shape", "1.5b" if gpu else "small") == "1.5b"
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=1536 if big else 256, intermediate_size=8960 if big else 768,
-                      num_hidden_layers=28 if big else 2, num_attention_heads=12 if big else 4,
-                      num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=1536 if big else 256,
+                      intermediate_size=8960 if big else 768, num_hidden_layers=28 if big else 2,
+                      num_attention_heads=12 if big else 4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if gpu else torch.float32, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    L.shard(model, torch.bfloat16 if gpu else torch.float32, args.get("checkpointing") == "1")
+    no_sync = args.get("no_sync") == "1"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     G, n, P = int(args.get("groups", 8 if gpu else 2)), 16, 256 if gpu else 64
     T = int(args.get("tokens", 1024 if gpu else 128))
     gen = torch.Generator().manual_seed(0)
     rand = lambda k: torch.randint(0, 150000, (k,), generator=gen).tolist()
     lengths = lambda: torch.randint(T // 8, T + 1, (n,), generator=gen).tolist()  # mixed, up to T
-    groups = [{"prompt_ids": rand(P), "completions": [{"ids": rand(k)} for k in lengths()]} for _ in range(G)]
+    groups = [{"prompt_ids": rand(P), "completions": [{"ids": rand(k)} for k in lengths()]}
+              for _ in range(G)]
     tokens = sum(len(g["prompt_ids"]) + sum(len(c["ids"]) for c in g["completions"]) for g in groups)
     times, computed, real = [], 0, 0
     for it in range(3):
         if gpu:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        for g in groups:  # micro-batch = one group
+        for i, g in enumerate(groups):  # micro-batch = one group
+            model.set_requires_gradient_sync(not no_sync or i == len(groups) - 1)
             logp, mask, (c, r) = L.token_logprobs(model, [g], 1.0, device)
             adv = torch.randn(n, device=device)
             loss, _ = L.grpo_loss(logp, logp.detach(), adv, mask, float(mask.sum()))
@@ -197,19 +198,64 @@ def trainer_only():
         times.append(time.perf_counter() - t)
     step = min(times[1:])
     peak = 989e12 if gpu else None  # H100 SXM dense bf16
-    out = {"device": torch.cuda.get_device_name() if gpu else "cpu", "params": n_params, "step_s": step,
+    out = {"device": torch.cuda.get_device_name() if gpu else "cpu", "params": n_params,
+           "checkpointing": args.get("checkpointing") == "1", "no_sync": no_sync, "step_s": step,
            "tokens": tokens, "tokens_per_s": tokens / step,
            "mfu": 6 * n_params * tokens / step / peak if peak else None,  # attention scores left out
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-           "peak_rss_gib": __import__("resource").getrusage(0).ru_maxrss / 2**20, "pad_frac": 1 - real / computed}
+           "peak_rss_gib": __import__("resource").getrusage(0).ru_maxrss / 2**20,
+           "pad_frac": 1 - real / computed}
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(out))
     dist.destroy_process_group()
 
 
+SLOW_GRADER = """import functools, time, reward
+slow = reward.grade_number
+reward.grade_number = functools.wraps(slow)(lambda text, answer: time.sleep(0.05) or slow(text, answer))
+"""
+
+
+def grading():
+    """Graders: math-verify answers/s on GSM8K-style boxed answers with 1 and 2 processes; then the
+    tiny run with a 50 ms grader (a sitecustomize module slows it in every process), graded in 2
+    processes vs in the engine loop: the loop's tokens/s while stepping or grading, and the share of
+    that time spent on grades."""
+    import tempfile
+    import reward
+    out = {}
+    answers = [(f"She buys {i} packs of 3, so {i} * 3 = {3 * i}. \\boxed{{{3 * i}}}", str(3 * i))
+               for i in range(200)]
+    for workers in (1, 2):
+        graders = reward.Graders(reward.grade_math, workers, 5.0)
+        graders.submit("warm-up", "\\boxed{1}", "1")
+        while not graders.poll():
+            time.sleep(0.01)
+        t, done = time.perf_counter(), 0
+        for i, (text, answer) in enumerate(answers):
+            graders.submit(i, text, answer)
+        while done < len(answers):
+            done += len(graders.poll())
+            time.sleep(0.001)
+        out[f"math_verify_answers_per_s_{workers}"] = len(answers) / (time.perf_counter() - t)
+        graders.close()
+    hook = tempfile.mkdtemp()
+    open(os.path.join(hook, "sitecustomize.py"), "w").write(SLOW_GRADER)
+    os.environ["PYTHONPATH"] = hook + os.pathsep + ROOT
+    for workers in (2, 0):
+        m = train("tiny", f"--grader_workers={workers}", "--max_steps=6")[-1]
+        busy = m["rollout_engine_s"] + m["rollout_grade_s"]
+        out[f"slow_grader_{workers}_tokens_per_s"] = m["rollout_tokens"] / busy
+        out[f"slow_grader_{workers}_grade_share"] = m["rollout_grade_s"] / busy
+    del os.environ["PYTHONPATH"]
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     if "--trainer" in sys.argv:
         sys.exit(trainer_only())
+    if "--grading" in sys.argv:
+        sys.exit(grading())
     results, table = {}, []
     for name in args.get("configs", "tiny,smollm").split(","):
         # the config's model, made offline once (a no-op when it is there already)

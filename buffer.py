@@ -1,17 +1,12 @@
 """
-buffer.py: trainer rank 0's end of the rollout side: where finished groups wait for the trainer (Buffer), and
-the rollout processes they come from (Rollouts: starts them, reads them, tells them about new weights).
+buffer.py: trainer rank 0's end of the rollout side. Buffer: where finished groups wait for the
+trainer. Rollouts: the rollout processes (starts them, reads them, tells them about new weights).
 
-A receiver thread per engine put()s groups as they arrive; the training loop get()s a batch of exactly
-`batch_groups` groups. On the way out, get() discards
-  - stale groups: trained now at version v, a group whose oldest token came from version < v - max_staleness;
-  - flat groups (optional): every completion got the same reward, so every advantage is 0 and the group would only
-    cost compute.
-Each stale discard is reported through on_discard so the engines can start a replacement (their shared admission
-budget counts groups the trainer has not yet accounted for). Flat groups are not reported: the engine graded
-them itself and started their replacements the moment they finished, without waiting for the trainer to notice.
-
-Simplifications: first in, first out; no priority, no replay, no cap on memory beyond what admission control bounds.
+A receiver thread per engine put()s groups; the training loop get()s exactly `batch_groups`,
+discarding on the way stale groups (oldest token more than max_staleness versions old), reported
+through on_discard so the engines admit replacements, and optionally flat groups (one reward for
+every completion: advantages all 0), not reported: their engine replaced them at once.
+Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission.
 """
 import pickle
 import sys
@@ -23,7 +18,7 @@ import sync
 
 
 class Stopped(Exception):
-    """Ctrl-C or SIGTERM (torchrun passes both on to every rank): stop at the next step boundary."""
+    """Ctrl-C or SIGTERM (torchrun passes both to every rank): stop at the next step boundary."""
 
 
 class Buffer:
@@ -32,7 +27,7 @@ class Buffer:
         self.max_staleness, self.drop_flat, self.on_discard = max_staleness, drop_flat, on_discard
         self.timeout_s = timeout_s  # > 0: no group for this long means the producer is stuck
         self.dropped_stale = self.dropped_flat = 0
-        self.error = None  # set by whoever finds the producer dead; get() raises it
+        self.error = None  # the producer is dead: get() raises it
 
     def put(self, group):
         with self.cond:
@@ -45,9 +40,8 @@ class Buffer:
             self.cond.notify()
 
     def get(self, version, n_groups, check_alive=lambda: None):
-        """Block until n_groups usable groups are in; -> (groups, every group taken out including the discarded ones,
-        seconds waited). check_alive() is called about once a second while waiting and should raise if the producer
-        is gone."""
+        """-> (n_groups usable groups, every group taken out, seconds waited). check_alive() runs
+        about once a second while waiting and raises if the producer is gone."""
         batch, seen, waited = [], [], 0.0
         while len(batch) < n_groups:
             with self.cond:
@@ -57,7 +51,8 @@ class Buffer:
                     if not self.groups:
                         check_alive()
                         if self.timeout_s and time.perf_counter() - t0 > self.timeout_s:
-                            self.error = f"no group from the rollout side for timeout_s={self.timeout_s} s"
+                            self.error = ("no group from the rollout side for "
+                                          f"timeout_s={self.timeout_s} s")
                 waited += time.perf_counter() - t0
                 if self.error is not None:
                     raise RuntimeError(self.error)
@@ -79,9 +74,8 @@ def is_flat(group):
 
 
 def worth_a_forward(groups, world_size, keep_flat=False):
-    """The groups the trainer must run. A flat group's advantages are all 0, so (without a KL term) it adds nothing to
-    the gradient, only its tokens to the token mean's denominator: skip it, except as filler so that every rank runs
-    the same number of forward passes (FSDP's collectives need that)."""
+    """Without a KL term a flat group adds nothing to the gradient: skip it, except as filler so
+    that every rank runs as many forward passes (FSDP's collectives need that)."""
     if keep_flat:
         return groups
     live, flat = [g for g in groups if not is_flat(g)], [g for g in groups if is_flat(g)]
@@ -90,33 +84,37 @@ def worth_a_forward(groups, world_size, keep_flat=False):
 
 
 def split(groups, world_size):
-    """Deal the batch's groups to trainer ranks: rank r gets groups r, r + W, r + 2W, ..."""
+    """Rank r gets groups r, r + W, r + 2W, ..."""
     if len(groups) % world_size:
-        raise ValueError(f"{len(groups)} groups cannot be split evenly over {world_size} trainer ranks")
+        raise ValueError(f"{len(groups)} groups cannot be split evenly over {world_size} "
+                         "trainer ranks")
     return [groups[r::world_size] for r in range(world_size)]
 
 
 class Rollouts:
-    """Trainer rank 0's end of the rollout processes. The other ranks only join the weight gathers (sync.push)."""
+    """Trainer rank 0's end of the rollout processes; other ranks only join sync.push."""
 
     def __init__(self, cfg, buckets, device, engine_gpus, ckpt, stop_requested):
-        E, timeout = cfg["rollout_engines"], cfg["timeout_s"]
-        self.cfg, self.stop_requested = cfg, stop_requested
-        self.consumed = set(ckpt.get("done", []))  # prompt stream positions taken out of the buffer ...
-        self.next = ckpt.get("next", 0)  # ... and every position below this one
+        engines, timeout = cfg["rollout_engines"], cfg["timeout_s"]
+        self.stop_requested = stop_requested
+        self.consumed = set(ckpt.get("done", []))  # prompt positions taken out, and all below next
+        self.next = ckpt.get("next", 0)
         self.store = sync.open_store(cfg["rollout_host"], cfg["rollout_port"], True, timeout)
-        self.store.set("start", pickle.dumps({"version": ckpt.get("version", 0), "next": self.next,
-                                              "done": sorted(self.consumed)}))
-        for e in range(E):
+        self.store.set("start", pickle.dumps({"version": ckpt.get("version", 0),
+                                              "next": self.next, "done": sorted(self.consumed)}))
+        for e in range(engines):
             self.store.set(f"idle{e}", "")
         self.procs = rollout.spawn(cfg, engine_gpus)
-        sync.wait_for(self.store, [f"joined{e}" for e in range(E)], timeout, self.check_alive)
-        self.ctl, trajs = sync.connect(self.store, 0, E, timeout)
-        self.sender = sync.Sender(self.store, buckets, cfg, device, E * cfg["tensor_parallel_size"])
-        self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], self.discard, timeout)
+        sync.wait_for(self.store, [f"joined{e}" for e in range(engines)], timeout, self.check_alive)
+        self.ctl, trajs = sync.connect(self.store, 0, engines, timeout)
+        workers = engines * cfg["tensor_parallel_size"]
+        self.sender = sync.Sender(self.store, buckets, cfg, device, workers)
+        # a stale group dropped: the engines may admit a replacement (rollout.take_ticket)
+        discard = lambda n: self.store.add("discarded", n)
+        self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, timeout)
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
-        self.discarded, self.evals, self.stats = 0, [], {}
-        for e, traj in enumerate(trajs):
+        self.evals, self.stats = [], {}
+        for traj in trajs:
             threading.Thread(target=self.receive, args=(traj,), daemon=True).start()
 
     def check_alive(self):
@@ -124,19 +122,16 @@ class Rollouts:
             raise Stopped()
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
-                raise RuntimeError(f"rollout process {e} (pid {p.pid}) exited with code {p.returncode}; its own "
-                                   "error is printed above")
+                raise RuntimeError(f"rollout process {e} (pid {p.pid}) exited with code "
+                                   f"{p.returncode}; its own error is printed above")
 
-    def discard(self, n):  # stale groups dropped by the buffer: the engines may admit replacements
-        self.discarded += n
-        self.store.add("discarded", n)
-
-    def receive(self, traj):  # trajectories and eval results from one engine
+    def receive(self, traj):  # groups and eval results from one engine
         try:
             while True:
                 msg = sync.recv_obj(traj, 1)
-                self.stats[msg["engine"]] = {k: v for k, v in msg.items() if k.startswith("rollout_") or k in
-                                             ("reward_failed", "skipped_long")}
+                counters = ("reward_failed", "skipped_long")
+                self.stats[msg["engine"]] = {k: v for k, v in msg.items()
+                                             if k.startswith("rollout_") or k in counters}
                 if msg["kind"] == "group":
                     self.buffer.put(msg)
                 elif msg["kind"] == "eval":
@@ -147,14 +142,14 @@ class Rollouts:
             self.buffer.fail(f"lost a rollout process: {e}")
 
     def idle(self, version):
-        """Every engine waits for the weights after `version` (it said so, and no discard came since)."""
-        want = f"{version}/{self.discarded}"
-        return all(self.store.get(f"idle{e}").decode() == want for e in range(len(self.procs)))
+        """Every engine waits for the weights after `version`, with nothing to do (rollout.py)."""
+        marks = [self.store.get(f"idle{e}").decode() for e in range(len(self.procs))]
+        return all(m == str(version) for m in marks)
 
     def consume(self, groups):
         self.consumed.update(g["pos"] for g in groups)
 
-    def resume_state(self):  # what rank 0 needs to continue exactly where this version left off
+    def resume_state(self):
         while self.next in self.consumed:
             self.consumed.remove(self.next)
             self.next += 1
@@ -175,13 +170,13 @@ class Rollouts:
             time.sleep(0.1)
 
     def explain(self, error, step):
-        """If a rollout process died, say which and with what exit code (its own error is printed above)."""
+        """If a rollout process died, say which and how; -> whether one did."""
         time.sleep(1)
         dead = [(e, p) for e, p in enumerate(self.procs) if p.poll() is not None]
         for e, p in dead[:1]:
-            print(f"error: rollout process {e} (pid {p.pid}) exited with code {p.returncode}, so training "
-                  f"stopped at step {step} ({type(error).__name__}: {str(error)[:200]}); its own error, if any, "
-                  "is printed above", file=sys.stderr)
+            print(f"error: rollout process {e} (pid {p.pid}) exited with code {p.returncode}, so "
+                  f"training stopped at step {step} ({type(error).__name__}: {str(error)[:200]}); "
+                  "its own error, if any, is printed above", file=sys.stderr)
         return bool(dead)
 
     def stop(self, version, timeout_s):

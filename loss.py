@@ -1,42 +1,28 @@
 """
-loss.py: GRPO on stale samples (truncated importance weights), as pure tensor functions.
+loss.py: the trainer's logprobs of the sampled tokens, and the GRPO loss on stale samples.
 
-For a batch of groups (group_size completions of one prompt each):
-  advantage  A_i   = r_i - mean(group)            (optionally / (std(group) + eps))
-  ratio      rho_t = pi_theta(y_t) / pi_behav(y_t)  pi_behav = the logprobs vLLM returned for the token it sampled,
-                                                   i.e. the (possibly several versions old) policy that generated it
-  weight     w_t   = min(rho_t, tis_cap), held constant        truncated importance weight: the sample came from
-                                                               pi_behav, the gradient is wanted for pi_theta
-  surrogate  -A_i w_t pi_theta(y_t) / sg(pi_theta(y_t))       value -A w, gradient -A w grad log pi_theta
-  loss       sum over every completion token in the batch / number of those tokens   (token-level normalisation)
-
-Why no PPO clip. A clip of pi_theta / pi_old bounds how far several updates on one batch drift from the policy that
-began them (AReaL's "decoupled" loss clips against that proximal policy and weights by pi_old / pi_behav). Here each
-batch gets one optimizer step, so pi_old = pi_theta when the gradient is taken and that clip never binds. Clipping
-against pi_behav instead (asymmetric, 0.8..1.28) is not a trust region but a penalty on staleness: the tokens it
-silences are the ones the previous step already moved most, which on the arithmetic task are the few tokens that
-decide the answer; measured, async then fell behind sync by more than its staleness (docs/LOG.md, "Off-policy
-correction").
-
-token_logprobs() scores the sampled tokens under the trainer's model the way the sampler drew them:
-log_softmax(logits / T), the same distribution vLLM reports with logprobs_mode="processed_logprobs". Its output
-layer computes the logits of a chunk of positions at a time and keeps only the sampled tokens' logprobs
-(SampledLogprob), so the [positions x vocabulary] logits never exist whole, in forward or backward.
-
-Simplifications: one optimizer step per batch (so no separate "old policy" pass and no clip); the optional KL to a
-reference policy uses the k3 estimator per token.
+  A_i   = r_i - mean(r of the group)     (optionally / std)
+  rho_t = pi_theta(y_t) / pi_behav(y_t)  pi_behav: vLLM's logprob of the token it sampled, up to
+                                         max_staleness versions old
+  w_t   = rho_t bounded: "truncate" min(rho, high), or "mask" rho inside [low, high] and 0 outside;
+          per token, or per completion ("sequence": the geometric mean of its rho); tighten > 0
+          gives a token of age a the bounds ** 1 / (1 + tighten * a): older samples weigh less
+  loss  = token mean over the batch of -A_i * sg(w_t) * log pi_theta(y_t)
+One optimizer step per batch: the fresh tokens' sampler is the policy being trained, so a PPO clip
+against an old policy would never bind; the bounds on rho act on stale tokens only.
 """
+import math
 from contextlib import contextmanager
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 
 class SampledLogprob(torch.autograd.Function):
-    """log_softmax(h @ w.T / T) at the sampled ids, `rows` positions at a time: the [positions x vocabulary]
-    logits exist for one chunk at once, in fp32. Backward recomputes each chunk's softmax, unless all of them
-    together fit in keep_mb (a small vocabulary or a short micro-batch): then forward keeps them.
-    h [N, H], w [V, H], ids [N, K] (K targets per position) -> [N, K] fp32."""
+    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time: the [positions x vocabulary]
+    logits never exist whole. Backward recomputes each chunk's softmax unless all fit in keep_mb.
+    h [N, H], w [V, H], ids [N, K] -> [N, K] fp32."""
 
     @staticmethod
     def forward(ctx, h, w, ids, temperature, rows, keep_mb):
@@ -60,7 +46,7 @@ class SampledLogprob(torch.autograd.Function):
         for c, i in enumerate(range(0, h.shape[0], rows)):
             hc, gc = h[i:i + rows], g[i:i + rows]
             p = ctx.kept[c] if ctx.kept else torch.softmax((hc @ w.t()).float() / T, 1)
-            dz = p * -gc.sum(1, keepdim=True)  # d/dz of z[y] - logsumexp(z) = onehot(y) - softmax(z)
+            dz = p * -gc.sum(1, keepdim=True)  # d(z[y] - logsumexp z)/dz = onehot(y) - softmax(z)
             dz = (dz.scatter_add_(1, ids[i:i + rows], gc) / T).to(h.dtype)
             dh[i:i + rows] = dz @ w
             dw += (dz.t() @ hc).float()
@@ -70,27 +56,44 @@ class SampledLogprob(torch.autograd.Function):
 
 @contextmanager
 def scoring(net, ids, temperature, rows=1024, keep_mb=512):
-    """The output layer returns the logprobs of `ids` [B, T, K] instead of logits [B, T, V] for one forward
-    call (swapping its forward keeps FSDP's hooks, which sit on the root module, untouched)."""
+    """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits.
+    (Its forward is swapped: FSDP's hooks sit on the root module. A copy, not a view, comes out:
+    FSDP hooks its backward onto it.)"""
     head = net.get_output_embeddings()
-    # (a copy, not a view: FSDP hooks its backward onto the output, which a view may lose)
-    head.forward = lambda h: SampledLogprob.apply(h.reshape(-1, h.shape[-1]), head.weight,
-                                                  ids.reshape(-1, ids.shape[-1]), temperature, rows,
-                                                  keep_mb).view(*h.shape[:-1], ids.shape[-1]).clone()
+    head.forward = lambda h: SampledLogprob.apply(
+        h.reshape(-1, h.shape[-1]), head.weight, ids.reshape(-1, ids.shape[-1]), temperature, rows,
+        keep_mb).view(*h.shape[:-1], ids.shape[-1]).clone()
     try:
         yield
     finally:
         del head.forward
 
 
+def checkpoint_layers(net):
+    """Whole-layer activation checkpointing. Attention appends to the KV cache that a prompt shares
+    with its completions: a recompute first cuts its cache layer back to its first length."""
+    for layer in net.model.layers:
+        def forward(*args, _inner=layer.forward, _i=layer.self_attn.layer_idx, **kw):
+            cache = kw.get("past_key_values")
+            kv = cache.layers[_i] if cache is not None and len(cache.layers) > _i else None
+            n = kv.keys.shape[-2] if kv is not None and kv.is_initialized else 0
+
+            def run(*a, **k):
+                if kv is not None and kv.is_initialized:
+                    kv.keys, kv.values = kv.keys[..., :n, :], kv.values[..., :n, :]
+                return _inner(*a, **k)
+            return checkpoint(run, *args, use_reentrant=False, **kw)
+        layer.forward = forward
+
+
 def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
-    """Rows (completion indices) in chunks of similar length, longest first, a chunk's padded area at most max_pad
-    times its real tokens. n_chunks: split further (the chunk with the largest padded area first) until there are
-    exactly that many, so that every FSDP rank runs the same forward calls; a rank short of rows repeats its
-    shortest one, marked None, for a chunk whose result is multiplied by 0."""
+    """Rows in chunks of similar length, longest first, each at most max_pad x its real tokens wide.
+    n_chunks: split the largest until there are that many (FSDP ranks run as many forward calls);
+    a rank short of rows gets [None]: a chunk whose result is multiplied by 0."""
     chunks, real = [], 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_pad * (real + lengths[i]):
+        width = lengths[chunks[-1][0]] if chunks else 0
+        if chunks and (len(chunks[-1]) + 1) * width <= max_pad * (real + lengths[i]):
             chunks[-1].append(i)
             real += lengths[i]
         else:
@@ -107,47 +110,43 @@ def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
 
 
 def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
-    """Logprobs of every completion token of these groups under net, at the sampling temperature
-    -> (logp, mask, (computed, real)), logp and mask [completions, longest completion], rows in group order.
-    Each prompt runs once and its KV cache is shared by the group's completions (for short answers that halves
-    the tokens). Completions then run in chunks of similar length (plan_chunks): one rambling answer would otherwise
-    pad every row to its length. The output layer scores only the sampled tokens (SampledLogprob). computed, real:
-    the positions the forward passes computed, and those that were not padding. Prompts are left-padded,
-    completions right-padded."""
+    """-> logp, mask [completions, longest], (positions computed, positions not padding). Each
+    prompt runs once, left-padded; its KV cache serves its completions, which run right-padded in
+    chunks of similar length (one long answer would otherwise widen every row)."""
     n = len(groups[0]["completions"])
     prompts = [g["prompt_ids"] for g in groups]
     comps = [c["ids"] for g in groups for c in g["completions"]]
     P, T = max(map(len, prompts)), max(max(map(len, comps)), 2)
-    pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T, dtype=torch.long)
+    pids = torch.zeros(len(prompts), P, dtype=torch.long)
+    cids = torch.zeros(len(comps), T, dtype=torch.long)
     pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
     for i, p in enumerate(prompts):
         pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
     for i, c in enumerate(comps):
         cids[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), 1
     pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
-    with scoring(net, cids[:, :1].reshape(len(prompts), 1, n), temperature):  # each prompt's last position
-        out = net(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0),
-                  use_cache=True, logits_to_keep=1)                          # scores every first token
+    with scoring(net, cids[:, :1].reshape(len(prompts), 1, n), temperature):  # every first token
+        out = net(input_ids=pids, attention_mask=pmask, use_cache=True, logits_to_keep=1,
+                  position_ids=(pmask.cumsum(1) - 1).clamp(min=0))
     first = out.logits.reshape(len(comps), 1)
     logp, computed, real = torch.zeros(len(comps), T, device=device), pids.numel(), int(pmask.sum())
     for rows in plan_chunks([len(c) for c in comps], max_pad, n_chunks):
         dummy = rows == [None]
         rows = [min(range(len(comps)), key=lambda i: len(comps[i]))] if dummy else rows
         idx = torch.tensor(rows, device=device)
-        # with n_chunks (several FSDP ranks) every chunk runs a forward, even of one-token answers
-        lp, Tc = first[idx], max(len(comps[rows[0]]), 2 if n_chunks else 1)
-        if Tc > 1:  # a fresh cache holding these rows' prompts; the forward appends the completion to it
+        lp, Tc = first[idx], max(len(comps[rows[0]]), 2 if n_chunks else 1)  # ranks: a forward
+        if Tc > 1:  # a fresh cache holding these rows' prompts, to which the completions append
             cache = DynamicCache()
             for layer, kv in enumerate(out.past_key_values.layers):
                 cache.update(kv.keys[idx // n], kv.values[idx // n], layer)
             pm, cm = pmask[idx // n], cmask[idx, :Tc - 1]
             with scoring(net, cids[idx, 1:Tc, None], temperature):
+                pos = pm.sum(1, keepdim=True) + torch.arange(Tc - 1, device=device)
                 rest = net(input_ids=cids[idx, :Tc - 1], attention_mask=torch.cat([pm, cm], 1),
-                           position_ids=pm.sum(1, keepdim=True) + torch.arange(Tc - 1, device=device),
-                           past_key_values=cache).logits[..., 0]
+                           position_ids=pos, past_key_values=cache).logits[..., 0]
             lp = torch.cat([lp, rest], 1)
             computed, real = computed + cm.numel(), real + (0 if dummy else int(cm.sum()))
-        if dummy:  # keeps this rank's FSDP collectives in step with the others; adds nothing
+        if dummy:
             logp = logp + 0 * lp.sum()
         else:
             logp = logp.index_put((idx,), torch.nn.functional.pad(lp, (0, T - Tc)))
@@ -155,26 +154,62 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
 
 
 def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):
-    """rewards: [num_groups * group_size] -> advantages of the same shape."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
-    if norm_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    return adv.reshape(-1)
+    return (adv / (r.std(dim=1, keepdim=True) + eps) if norm_std else adv).reshape(-1)
 
 
-def grpo_loss(logp, behav_logp, adv, mask, n_tokens, tis_cap=3.0, ref_logp=None, kl_coef=0.0):
-    """
-    logp, behav_logp, mask: [B, T] (mask is 1 on completion tokens); adv: [B]; n_tokens: the number of completion
-    tokens in the whole batch (all micro-batches, all ranks), so micro-batches and ranks add up to a token mean.
-    Returns (loss, truncated): truncated marks the completion tokens whose importance weight hit tis_cap.
-    """
+def overlong_rewards(rewards, lengths, cut, max_new_tokens, mode, buffer):
+    """mode "penalty" (DAPO's soft overlong penalty): the last `buffer` tokens before max_new_tokens
+    cost up to 1, linearly; a cut answer costs 1. Other modes leave the rewards alone."""
+    if mode != "penalty":
+        return rewards
+    over = (lengths - (max_new_tokens - buffer)).clamp(min=0) / max(buffer, 1)
+    return rewards - torch.where(cut, torch.ones_like(over), over.clamp(max=1))
+
+
+def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="truncate", low=0.0,
+              high=3.0, tighten=0.0, ref_logp=None, kl_coef=0.0):
+    """logp, behav, mask, age [B, T]; adv [B]; n_tokens: completion tokens of the whole batch, so
+    that micro-batches and ranks add up to a token mean. -> (loss, tokens whose weight was bound)"""
     mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp.detach() - behav_logp)
-    w = ratio.clamp(max=tis_cap)
-    per_tok = -adv.unsqueeze(1) * w * torch.exp(logp - logp.detach())
-    if kl_coef > 0:  # k3 estimator of KL(pi_theta || pi_ref), unbiased and >= 0
+    log_rho = (logp.detach() - behav) * mask
+    age = torch.zeros_like(mask) if age is None else age.to(logp.dtype)
+    if level == "sequence":  # the completion's mean log ratio, and its oldest token's age
+        log_rho = log_rho.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1) * mask
+        age = (age * mask).amax(1, keepdim=True).expand_as(mask)
+    shrink = 1 / (1 + tighten * age)
+    log_hi, log_lo = math.log(high) * shrink, math.log(max(low, 1e-30)) * shrink
+    if mode == "truncate":
+        w, bounded = torch.exp(torch.minimum(log_rho, log_hi)), log_rho > log_hi
+    else:
+        bounded = (log_rho > log_hi) | (log_rho < log_lo)
+        w = torch.exp(log_rho) * ~bounded
+    per_tok = -adv.unsqueeze(1) * w * torch.exp(logp - logp.detach())  # value -A w, grad -A w dlogp
+    if kl_coef > 0:  # k3 estimator of KL(pi_theta || pi_ref): unbiased and >= 0
         d = ref_logp - logp
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
-    loss = (per_tok * mask).sum() / n_tokens
-    return loss, (ratio > tis_cap) & (mask > 0)
+    return (per_tok * mask).sum() / n_tokens, bounded & (mask > 0)
+
+
+def shard(net, dtype, checkpointing=False):
+    """FSDP2, the one wrap: each decoder layer, then the root (embeddings, norm, head); master
+    weights and gradient reduction in fp32, compute in dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if checkpointing:
+        checkpoint_layers(net)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in net.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    return fully_shard(net, mp_policy=mp)
+
+
+def agreed_chunks(groups, world, device):
+    """The number of chunks every rank runs for this micro-batch (FSDP's collectives need as many
+    forward calls on every rank, not the same shapes); 0 on one rank: no agreement needed."""
+    if world == 1:
+        return 0
+    lengths = [len(c["ids"]) for g in groups for c in g["completions"]]
+    n = torch.tensor([len(plan_chunks(lengths))], device=device)
+    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+    return int(n)

@@ -1,133 +1,170 @@
 """
-reward.py: the tasks (prompts with a reference answer) and their graders.
+reward.py: the tasks (problems with a reference answer) and the graders that score completions.
 
-A task is a pair of lists of problems, train and held-out eval, each problem a dict {"id", "prompt", "answer"}.
-  arithmetic  "What is a + b?" generated offline from the seed; the eval pairs are drawn first and never used for
-              training. Graded by the last number in the completion.
-  gsm8k       a local jsonl file with {"question", "answer"} lines (GSM8K's "#### 42" answer format is understood), or
-              a Hugging Face dataset id when the machine is online. Graded with math-verify when it is installed,
-              else by the \\boxed{} content or the last number.
-Rewards are 1.0 (correct) or 0.0. score() never raises and never hangs: an exception or a grader running past
-`timeout_s` scores 0 and is reported so the caller can count it.
-
-Simplifications: exact numeric match only (no partial credit, no format reward); the prompt asks for the answer in
-plain words and the tokenizer's chat template (if it has one) wraps it.
+A task: train and held-out eval lists of {"id", "prompt", "answer"}.
+  arithmetic  "What is a + b?" from the seed, graded by the last number (or the \\boxed{} content).
+  gsm8k       a jsonl file of {"question", "answer"} ("#### 42" understood) or a hub dataset id;
+              prompts end with `instruction` (the final answer in \\boxed{}); graded by math-verify.
+Grading runs in processes beside the engine loop (Graders): decoding never waits on a parser. A
+grade past its time limit is killed with its process (sympy can spin in C, where no signal reaches);
+it and any grader error score 0 and are counted. Simplification: reward 1 or 0, no format reward.
 """
+import ctypes
 import json
+import multiprocessing
 import os
 import random
 import re
 import signal
-import threading
+import time
+from collections import deque
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def arithmetic(seed, n_eval, max_operand=30):
-    rng = random.Random(seed)
     pairs = [(a, b) for a in range(1, max_operand + 1) for b in range(1, max_operand + 1)]
-    rng.shuffle(pairs)
+    random.Random(seed).shuffle(pairs)
     if n_eval >= len(pairs):
-        raise ValueError(f"eval_n={n_eval} leaves no training problems (only {len(pairs)} pairs): lower eval_n")
-    make = lambda i, ab: {"id": i, "prompt": f"What is {ab[0]} + {ab[1]}?", "answer": str(ab[0] + ab[1])}
-    return [make(i, ab) for i, ab in enumerate(pairs[n_eval:])], [make(i, ab) for i, ab in enumerate(pairs[:n_eval])]
+        raise ValueError(f"eval_n={n_eval} leaves none of the {len(pairs)} problems: lower eval_n")
+    make = lambda i, ab: {"id": i, "prompt": f"What is {ab[0]} + {ab[1]}?", "answer": str(sum(ab))}
+    return [make(i, ab) for i, ab in enumerate(pairs[n_eval:])], \
+        [make(i, ab) for i, ab in enumerate(pairs[:n_eval])]
 
 
 def read_jsonl(path):
     rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
+    for n, line in enumerate(open(path), 1):
+        try:
+            if line.strip():
                 row = json.loads(line)
-                rows.append({"prompt": row["question"], "answer": str(row["answer"]).split("####")[-1].strip()})
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{line_no}: expected a JSON object with 'question' and 'answer' ({e!r})")
+                rows.append({"question": row["question"], "answer": row["answer"]})
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: expected a JSON object with 'question' and 'answer' "
+                             f"({e!r})")
     return rows
 
 
-def gsm8k(data_path, eval_path, seed, n_eval):
+def gsm8k(data_path, eval_path, seed, n_eval, instruction=""):
     for key, path in (("data_path", data_path), ("eval_path", eval_path)):
-        if path and (path.endswith((".jsonl", ".json")) or os.sep in path) and not os.path.isfile(path):
-            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file of {{question, answer}} lines")
+        if path and (path.endswith(".jsonl") or os.sep in path) and not os.path.isfile(path):
+            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file of "
+                             "{question, answer} lines")
     if not data_path:
-        raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id where the machine is online)")
+        raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id, online)")
     if os.path.isfile(data_path):
-        train = read_jsonl(data_path)
-        test = read_jsonl(eval_path) if eval_path else None
-    else:  # a hub dataset id (openai/gsm8k): where the hub is reachable, or already in the datasets cache
+        train, test = read_jsonl(data_path), read_jsonl(eval_path) if eval_path else None
+    else:  # a hub dataset id (openai/gsm8k): online, or already in the datasets cache
         try:
             import datasets
             ds = datasets.load_dataset(data_path, "main")
         except Exception as e:
-            raise ValueError(f"data_path {data_path!r} is not a file and could not be loaded from the Hugging Face "
-                             f"hub ({type(e).__name__}: {str(e)[:150]}). Offline? Point --data_path= at a jsonl file "
-                             "of {question, answer} lines, or run once where the hub is reachable (`pip install "
-                             "datasets`) to fill the cache") from None
-        to_rows = lambda split: [{"prompt": r["question"], "answer": r["answer"].split("####")[-1].strip()} for r in split]
-        train, test = to_rows(ds["train"]), to_rows(ds["test"])
+            raise ValueError(f"data_path {data_path!r} is neither a file nor a hub dataset that "
+                             f"loads ({type(e).__name__}: {str(e)[:150]}). Offline? Point "
+                             "--data_path= at a jsonl file of {question, answer} lines") from None
+        train, test = list(ds["train"]), list(ds["test"])
     if test is None:  # no eval file: hold out the last n_eval problems of a seeded shuffle
         random.Random(seed).shuffle(train)
         train, test = train[:-n_eval], train[-n_eval:]
-    number = lambda rows: [dict(r, id=i) for i, r in enumerate(rows)]
-    return number(train), number(test[:n_eval])
+    make = lambda rows: [{"id": i, "prompt": (r["question"] + " " + instruction).strip(),
+                          "answer": str(r["answer"]).split("####")[-1].strip()}
+                         for i, r in enumerate(rows)]
+    return make(train), make(test[:n_eval])
 
 
 def load_task(cfg):
     if cfg["task"] == "arithmetic":
         return arithmetic(cfg["seed"], cfg["eval_n"])
     if cfg["task"] == "gsm8k":
-        return gsm8k(cfg["data_path"], cfg["eval_path"], cfg["seed"], cfg["eval_n"])
+        return gsm8k(*(cfg[k] for k in ("data_path", "eval_path", "seed", "eval_n", "instruction")))
     raise ValueError(f"unknown task {cfg['task']!r}: use 'arithmetic' or 'gsm8k'")
 
 
 def extract_answer(text):
-    """The \\boxed{...} content if there is one, else the last number; None if neither."""
+    """The last \\boxed{...} content if there is one, else the last number; None if neither."""
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    if boxed:
-        text = boxed[-1]
-    nums = NUMBER.findall(text)
+    nums = NUMBER.findall(boxed[-1] if boxed else text)
     return nums[-1].replace(",", "").rstrip(".") if nums else None
 
 
-def _numeric_equal(pred, answer):
+def grade_number(text, answer):
+    pred = extract_answer(text)
     try:
-        return abs(float(pred) - float(answer.replace(",", ""))) < 1e-6
+        return float(pred is not None and abs(float(pred) - float(answer.replace(",", ""))) < 1e-6)
     except ValueError:
-        return pred.strip() == answer.strip()
+        return float(pred == answer.strip())
 
 
-def grade(text, answer):
+def grade_math(text, answer):
+    import math_verify  # its own timers use SIGALRM; off: the time limit is the Graders' kill
+    gold = math_verify.parse(answer, parsing_timeout=None)
+    return float(math_verify.verify(gold, math_verify.parse(text, parsing_timeout=None),
+                                    timeout_seconds=None))
+
+
+def grader(task):
+    return grade_number if task == "arithmetic" else grade_math
+
+
+def safely(grade, text, answer):  # -> (reward, failed)
     try:
-        import math_verify
-        return float(math_verify.verify(math_verify.parse(answer), math_verify.parse(text)))
-    except ImportError:
-        pred = extract_answer(text)
-        return float(pred is not None and _numeric_equal(pred, answer))
-
-
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Timeout()
-
-
-def score(text, answer, timeout_s=5.0, grader=grade):
-    """-> (reward, failed). Never raises. The time limit uses SIGALRM, so it applies in the main thread only."""
-    use_alarm = timeout_s > 0 and threading.current_thread() is threading.main_thread()
-    try:
-        if use_alarm:
-            old = signal.signal(signal.SIGALRM, _alarm)
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        return float(grader(text, answer)), False
-    except BaseException as e:  # a grader bug, a timeout, anything: the sample scores 0, the run goes on
-        if isinstance(e, KeyboardInterrupt):
-            raise
+        return float(grade(text, answer)), False
+    except Exception:
         return 0.0, True
-    finally:
-        if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+
+
+def _grade_forever(conn, grade):  # one grader process: (text, answer) in, (reward, failed) out
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
+    while True:
+        conn.send(safely(grade, *conn.recv()))
+
+
+class Graders:
+    """`workers` grader processes; 0 grades in the caller, in poll(), with no time limit (to debug
+    or compare). submit() queues an answer; poll() -> [(key, reward, failed)] done since."""
+
+    def __init__(self, grade, workers=2, timeout_s=5.0):
+        self.grade, self.timeout_s, self.workers = grade, timeout_s, workers
+        self.ctx = multiprocessing.get_context("spawn")  # the engine's process has threads: no fork
+        self.idle, self.busy, self.queue, self.done = [], {}, deque(), []
+        for _ in range(workers):
+            self.idle.append(self.start())
+
+    def start(self):
+        conn, theirs = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_grade_forever, args=(theirs, self.grade), daemon=True)
+        proc.start()
+        return proc, conn
+
+    def submit(self, key, text, answer):
+        self.queue.append((key, text, answer))
+
+    def poll(self):
+        while not self.workers and self.queue:
+            key, text, answer = self.queue.popleft()
+            self.done.append((key, *safely(self.grade, text, answer)))
+        now = time.monotonic()
+        for w, (key, t0) in list(self.busy.items()):
+            if w[1].poll():
+                self.done.append((key, *w[1].recv()))
+                self.idle.append(w)
+            elif now - t0 > self.timeout_s or not w[0].is_alive():  # stuck or dead: replace it
+                w[0].kill()
+                w[0].join()
+                self.done.append((key, 0.0, True))
+                self.idle.append(self.start())
+            else:
+                continue
+            del self.busy[w]
+        while self.idle and self.queue:
+            key, text, answer = self.queue.popleft()
+            w = self.idle.pop()
+            w[1].send((text, answer))
+            self.busy[w] = (key, now)
+        done, self.done = self.done, []
+        return done
+
+    def close(self):
+        for proc, _ in self.idle + list(self.busy):
+            proc.kill()

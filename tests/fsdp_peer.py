@@ -1,6 +1,7 @@
-"""Run by test_loss.py under torchrun: one optimizer step of FSDP2 (as train.py wraps it) on a fixed batch of
-groups whose completions have very different lengths, dealt out to the ranks as train.py deals them; ranks agree
-on the number of chunks, as train.py does. Rank 0 saves the weights after the step.
+"""Run by test_loss.py under torchrun: one optimizer step of FSDP2 (loss.shard, as train.py wraps it)
+on a fixed batch of groups whose completions have very different lengths, dealt out to the ranks as
+train.py deals them; ranks agree on the number of chunks (loss.agreed_chunks). Rank 0 saves the
+weights after the step. An optional third argument "ckpt" turns on activation checkpointing.
 Usage: torchrun --nproc_per_node=W fsdp_peer.py MODEL_DIR OUT_FILE"""
 import os
 import sys
@@ -8,7 +9,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -18,9 +18,7 @@ import loss  # noqa: E402
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-for layer in model.model.layers:
-    fully_shard(layer)
-fully_shard(model)
+loss.shard(model, torch.float32, checkpointing=sys.argv[3:] == ["ckpt"])
 opt = torch.optim.SGD(model.parameters(), lr=1.0)
 g = torch.Generator().manual_seed(0)
 ids = lambda n: torch.randint(5, 500, (n,), generator=g).tolist()
@@ -29,9 +27,8 @@ groups = [{"prompt_ids": ids(5 + i), "completions": [{"ids": ids(n), "reward": f
                                                      for j, n in enumerate(ls)]} for i, ls in enumerate(lens)]
 n_tok = float(sum(map(sum, lens)))
 for grp in buffer.split(groups, world)[rank]:  # one group per micro-batch
-    n_chunks = torch.tensor([len(loss.plan_chunks([len(c["ids"]) for c in grp["completions"]]))])
-    dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
-    logp, mask, _ = loss.token_logprobs(model, [grp], 0.7, "cpu", n_chunks=int(n_chunks))
+    n_chunks = loss.agreed_chunks([grp], world, "cpu")
+    logp, mask, _ = loss.token_logprobs(model, [grp], 0.7, "cpu", n_chunks=n_chunks)
     adv = loss.group_advantages(torch.tensor([c["reward"] for c in grp["completions"]]), 4)
     out, _ = loss.grpo_loss(logp, logp.detach(), adv, mask, n_tok)
     (out * world).backward()

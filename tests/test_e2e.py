@@ -2,6 +2,7 @@
 them. Also what a user sees when things go wrong: config errors before anything starts, a dead peer, a signal, a
 checkpoint and an exact resume."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,9 +14,10 @@ import torch
 
 from conftest import ROOT, free_port
 
-KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max mixed_version_frac dropped_stale "
-        "dropped_flat loss trunc_frac logprob_shift_stale grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s "
-        "elapsed_s borrowed_frac sync_bytes engine_groups pad_frac").split()
+KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max mixed_version_frac "
+        "dropped_stale dropped_flat loss bounded_frac_fresh bounded_frac_stale cut_frac logprob_shift_stale "
+        "grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s elapsed_s borrowed_frac sync_bytes "
+        "engine_groups pad_frac reward_failed rollout_grade_s").split()
 SYNC = ("--max_staleness=0", "--eval_every=0")
 
 
@@ -34,8 +36,9 @@ def metrics(out):
     return [m for m in lines if "loss" in m], [m for m in lines if "eval_accuracy" in m]
 
 
-def train(out, *overrides, nproc=1):
-    p = subprocess.run(command(out, *overrides, nproc=nproc), cwd=ROOT, capture_output=True, text=True, timeout=600)
+def train(out, *overrides, nproc=1, env=None):
+    p = subprocess.run(command(out, *overrides, nproc=nproc), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env)
     assert not ours(out), "processes left behind"
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return (*metrics(out), p)
@@ -83,6 +86,28 @@ def test_async_run(tiny, tmp_path, nproc, eta):
     from transformers import AutoModelForCausalLM
     trained = AutoModelForCausalLM.from_pretrained(tmp_path)  # the final model, in Hugging Face format
     assert trained.config.vocab_size == 512
+
+
+SLOW_GRADER = """import functools, time, reward
+slow = reward.grade_number
+reward.grade_number = functools.wraps(slow)(lambda text, answer: time.sleep(0.05) or slow(text, answer))
+"""
+
+
+def test_a_slow_grader_does_not_stall_the_engine(tiny, tmp_path):
+    """Every answer takes 50 ms to grade (a sitecustomize module slows the grader in every process of the
+    run). With grader processes the engine loop spends under 10% of its stepping time on grades; graded in
+    the loop itself (grader_workers=0) it would wait on every one of them."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_GRADER)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'hook'}{os.pathsep}{ROOT}")
+    share = {}
+    for workers in (2, 0):
+        steps, _, _ = train(tmp_path / str(workers), "--max_steps=3", f"--grader_workers={workers}", env=env)
+        m = steps[-1]
+        share[workers] = m["rollout_grade_s"] / m["rollout_engine_s"]
+        assert m["reward_failed"] == 0 and m["rollout_tokens"] > 0
+    assert share[2] < 0.1 < share[0], share
 
 
 def test_synchronous_run_is_on_policy(sync_run):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from loss import group_advantages, grpo_loss
+from loss import group_advantages, grpo_loss, overlong_rewards
 
 
 def test_group_advantages_mean_and_std():
@@ -12,7 +12,7 @@ def test_group_advantages_mean_and_std():
 
 
 def one_token(adv, ratio, **kw):
-    """One completion token with the given advantage and pi_theta / pi_behav ratio -> (loss, dloss/dlogp, truncated)."""
+    """One completion token, advantage adv, pi_theta / pi_behav = ratio -> (loss, dloss/dlogp, bounded)."""
     logp = torch.tensor([[0.0]], requires_grad=True)
     behav = torch.tensor([[-torch.log(torch.tensor(ratio)).item()]])
     loss, truncated = grpo_loss(logp, behav, torch.tensor([adv]), torch.ones(1, 1), 1.0, **kw)
@@ -24,15 +24,53 @@ def one_token(adv, ratio, **kw):
     (1.0, 1.1, -1.1, -1.1, 0),    # a stale token pi_theta now likes more: weight rho, gradient -A * rho
     (1.0, 1.5, -1.5, -1.5, 0),    # moved far already: still the full weight (no clip silences it)
     (-1.0, 0.5, 0.5, 0.5, 0),     # a bad token pi_theta already avoids: its push down shrinks with rho
-    (1.0, 5.0, -3.0, -3.0, 1),    # above tis_cap: the weight is truncated at the cap, the gradient stays
+    (1.0, 5.0, -3.0, -3.0, 1),    # above is_high: the weight is truncated at the cap, the gradient stays
     (-1.0, 5.0, 3.0, 3.0, 1),
     (0.0, 1.7, 0.0, 0.0, 0),      # zero advantage: nothing
 ])
 def test_truncated_importance_weights(adv, ratio, want_loss, want_grad, truncated):
-    loss, grad, truncated_mask = one_token(adv, ratio, tis_cap=3.0)
+    loss, grad, truncated_mask = one_token(adv, ratio, high=3.0)
     assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
     assert grad == pytest.approx(want_grad, rel=1e-5, abs=1e-6)
     assert truncated_mask.sum().item() == truncated
+
+
+def settings(level, mode, tighten=0.0):
+    """Two completions of two tokens, with hand-picked ratios and ages; -> (loss, grad, bounded)."""
+    rho = torch.tensor([[4.0, 0.1], [1.5, 2.0]])
+    logp = torch.zeros(2, 2, requires_grad=True)
+    age = torch.tensor([[0.0, 0.0], [2.0, 2.0]])
+    loss, bounded = grpo_loss(logp, -rho.log(), torch.tensor([1.0, -1.0]), torch.ones(2, 2), 4.0, age,
+                              level, mode, low=0.2, high=3.0, tighten=tighten)
+    loss.backward()
+    return loss.item(), logp.grad, bounded.int().tolist()
+
+
+@pytest.mark.parametrize("level, mode, tighten, w, bounded", [
+    # token, truncate (the default): min(rho, 3)
+    ("token", "truncate", 0.0, [[3.0, 0.1], [1.5, 2.0]], [[1, 0], [0, 0]]),
+    # token, mask: rho inside [0.2, 3], else 0
+    ("token", "mask", 0.0, [[0.0, 0.0], [1.5, 2.0]], [[1, 1], [0, 0]]),
+    # sequence: the geometric mean, sqrt(4 * 0.1) = 0.632 and sqrt(1.5 * 2) = 1.732, inside [0.2, 3]
+    ("sequence", "mask", 0.0, [[0.4**0.5] * 2, [3**0.5] * 2], [[0, 0], [0, 0]]),
+    # age 2 with tighten 1: the bounds become 3 ** (1/3) = 1.442 and 0.2 ** (1/3) = 0.585
+    ("token", "truncate", 1.0, [[3.0, 0.1], [3 ** (1 / 3)] * 2], [[1, 0], [1, 1]]),
+    ("sequence", "mask", 1.0, [[0.4**0.5] * 2, [0.0, 0.0]], [[0, 0], [1, 1]]),
+])
+def test_staleness_settings_by_hand(level, mode, tighten, w, bounded):
+    loss, grad, got = settings(level, mode, tighten)
+    w = torch.tensor(w)
+    adv = torch.tensor([[1.0], [-1.0]])
+    assert loss == pytest.approx((-adv * w).sum().item() / 4, rel=1e-5)
+    assert torch.allclose(grad, -adv * w / 4, rtol=1e-5)
+    assert got == bounded
+
+
+def test_overlong_penalty():
+    r = overlong_rewards(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([10, 52, 60, 64]),
+                         torch.tensor([False, False, False, True]), 64, "penalty", 16)
+    assert r.tolist() == pytest.approx([1.0, 0.75, 0.25, -1.0])  # (64 - 16) = 48 tokens are free
+    assert overlong_rewards(r, torch.tensor([64] * 4), torch.ones(4, dtype=torch.bool), 64, "mask", 16) is r
 
 
 def test_token_level_normalisation():
@@ -60,7 +98,7 @@ def test_micro_batches_add_up_to_the_batch_mean():
 
 def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
     logp = torch.tensor([[-1.0, -2.0]])
-    args = dict(behav_logp=logp.clone(), adv=torch.zeros(1), mask=torch.ones(1, 2), n_tokens=2.0, kl_coef=0.5)
+    args = dict(behav=logp.clone(), adv=torch.zeros(1), mask=torch.ones(1, 2), n_tokens=2.0, kl_coef=0.5)
     assert grpo_loss(logp, ref_logp=logp.clone(), **args)[0].item() == pytest.approx(0.0)
     d = -0.3  # k3 = exp(d) - d - 1 per token
     assert grpo_loss(logp, ref_logp=logp + d, **args)[0].item() == pytest.approx(0.5 * (torch.exp(torch.tensor(d)) - d - 1).item())
@@ -84,15 +122,18 @@ def random_groups(vocab, lens, seed=0):
 
 
 @pytest.mark.parametrize("model_kind, n_chunks, keep_mb", [("tiny", 0, 512), ("tiny", 9, 512),
-                                                         ("vocab50k", 0, 512), ("vocab50k", 0, 0)])
+                                                         ("tiny-ckpt", 9, 512), ("vocab50k", 0, 512),
+                                                         ("vocab50k", 0, 0)])
 def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_kind, n_chunks, keep_mb, monkeypatch):
     """The shared prompt cache, the length chunks (also split further, as FSDP ranks agree on a count, with a
     dummy chunk when rows run out) and the output layer that scores only the sampled tokens change nothing: every
     row, and the gradient of every weight, equal a plain full-logits forward of prompt + completion alone."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     import loss
-    if model_kind == "tiny":
+    if model_kind.startswith("tiny"):
         model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
+        if model_kind == "tiny-ckpt":  # whole-layer activation checkpointing: recomputed, the same
+            loss.checkpoint_layers(model)
     else:  # a random 2-layer model with a 50k vocabulary, untied
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50000, hidden_size=64, intermediate_size=128,
@@ -133,15 +174,17 @@ def loss_mod():
 
 
 def test_two_ranks_with_very_different_lengths_step_like_one(tiny, tmp_path):
-    """FSDP2 over 2 gloo ranks, one with 1-3 token answers and one with ~40, each running as many chunks as the
-    other (not as wide): the same weights after a step as 1 rank on the whole batch."""
+    """FSDP2 over 2 gloo ranks, one with 1-3 token answers and one with ~40, each running as many
+    chunks as the other (not as wide), with whole-layer activation checkpointing: the same weights
+    after a step as 1 rank on the whole batch without it."""
     import subprocess
     import sys
     from conftest import ROOT, free_port
-    for w in (1, 2):
+    for w, extra in ((1, []), (2, ["ckpt"])):
         subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={w}",
-                        f"--master_port={free_port()}", "tests/fsdp_peer.py", tiny["tied"], str(tmp_path / f"{w}.pt")],
-                       cwd=ROOT, check=True, timeout=300, capture_output=True)
+                        f"--master_port={free_port()}", "tests/fsdp_peer.py", tiny["tied"],
+                        str(tmp_path / f"{w}.pt"), *extra], cwd=ROOT, check=True, timeout=300,
+                       capture_output=True)
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     for name in one:
         assert torch.allclose(one[name], two[name], atol=1e-6), name

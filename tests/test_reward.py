@@ -19,24 +19,67 @@ def test_extract_answer(text, want):
 
 
 def test_grade_takes_the_final_number():
-    assert reward.score("17 + 25 is 42", "42")[0] == 1.0
-    assert reward.score("42? no, 41", "42")[0] == 0.0
-    assert reward.score("2.50", "2.5")[0] == 1.0
-    assert reward.score("", "42")[0] == 0.0
+    assert reward.grade_number("17 + 25 is 42", "42") == 1.0
+    assert reward.grade_number("42? no, 41", "42") == 0.0
+    assert reward.grade_number("2.50", "2.5") == 1.0
+    assert reward.grade_number("", "42") == 0.0
 
 
-def test_a_raising_or_hanging_grader_scores_zero():
-    def boom(text, answer):
-        raise ZeroDivisionError
+def test_math_verify_grades_boxed_answers():
+    assert reward.grade_math("so she pays 3 * 4 = 12 dollars. \\boxed{12}", "12") == 1.0
+    assert reward.grade_math("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert reward.grade_math("\\boxed{13}", "12") == 0.0
 
-    def hang(text, answer):
-        time.sleep(30)
-        return 1.0
-    assert reward.score("42", "42", grader=boom) == (0.0, True)
+
+def boom(text, answer):
+    raise ZeroDivisionError
+
+
+def sleepy(text, answer):
+    time.sleep(60)
+
+
+def grade_all(graders, answers, answer="42"):
+    for i, text in enumerate(answers):
+        graders.submit(i, text, answer)
+    got = {}
+    while len(got) < len(answers):
+        got.update({k: (r, failed) for k, r, failed in graders.poll()})
+        time.sleep(0.01)
+    return [got[i] for i in range(len(answers))]
+
+
+PATHOLOGICAL = ["\\boxed{9^{9^{9^{9^{9}}}}}",  # a power tower sympy would try to evaluate
+                "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",  # deeply nested LaTeX
+                "".join(chr(33 + (i * 7919) % 90) for i in range(10_000)),  # 10k characters of garbage
+                "1" * 5000 + " = \\boxed{42}"]  # a huge number, then the right answer
+
+
+def test_pathological_answers_are_graded_within_the_time_limit():
+    """math-verify's own timers are off; a grade past the limit is killed with its process and scores 0,
+    and the replacement process grades the next answers."""
+    graders = reward.Graders(reward.grade_math, workers=2, timeout_s=3.0)
     t0 = time.time()
-    assert reward.score("42", "42", timeout_s=0.2, grader=hang) == (0.0, True)
-    assert time.time() - t0 < 2
-    assert reward.score("42", "42", grader=lambda t, a: 1) == (1.0, False)
+    got = grade_all(graders, PATHOLOGICAL + ["\\boxed{42}"])
+    elapsed = time.time() - t0
+    graders.close()
+    assert got[0] == (0.0, True)  # the power tower timed out
+    assert got[-1] == (1.0, False)  # graded after the killed ones, by a fresh process
+    assert all(r in (0.0, 1.0) for r, _ in got)
+    assert elapsed < 3.0 * len(got) / 2 + 10  # two processes, each answer at most the limit
+
+
+def test_a_raising_or_hanging_grader_scores_zero_and_is_counted():
+    graders = reward.Graders(boom, workers=1, timeout_s=1.0)
+    assert grade_all(graders, ["42"]) == [(0.0, True)]
+    graders.close()
+    graders = reward.Graders(sleepy, workers=2, timeout_s=0.5)
+    t0 = time.time()
+    assert grade_all(graders, ["42"] * 4) == [(0.0, True)] * 4
+    assert time.time() - t0 < 10
+    graders.close()
+    assert grade_all(reward.Graders(reward.grade_number, workers=0), ["42", "41"]) == \
+        [(1.0, False), (0.0, False)]
 
 
 def test_arithmetic_keeps_eval_out_of_training():
