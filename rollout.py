@@ -194,10 +194,11 @@ class Rollout:
 
     def messages(self):
         """Take what the trainer sent; block briefly only if there is nothing to do. False: stop."""
-        block = not self.engine.has_unfinished_requests() and not self.graders.busy
+        block = not self.engine.has_unfinished_requests()
+        wait = 0.005 if self.graders.busy else 0.05  # grades due soon: do not spin, do not oversleep
         while True:
             try:
-                msg = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+                msg = self.inbox.get(timeout=wait) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return True
             block = False
