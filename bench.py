@@ -104,10 +104,11 @@ import rollout, sync
 def raw(worker, numel):
     worker.nanoasync["pg"].broadcast(torch.empty(numel), 0).wait()
 if __name__ == "__main__":
-    from vllm import LLM
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    port, cfg = int(sys.argv[1]), {{"rollout_dtype": "float32", "colocate": False, "timeout_s": 60}}
-    llm = LLM(model={model_dir!r}, dtype="float32", max_model_len=128, enforce_eager=True)
+    port, cfg = int(sys.argv[1]), dict(
+        model={model_dir!r}, rollout_dtype="float32", colocate=False, timeout_s=60, seed=0,
+        max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5, tensor_parallel_size=1,
+        kv_cache_gb=1)
+    llm = rollout.make_llm(cfg, "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
     llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
     for i in range({repeats}):

@@ -117,7 +117,11 @@ def _grade_forever(conn, grade):  # one grader process: (text, answer) in, (rewa
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
     while True:
-        conn.send(safely(grade, *conn.recv()))
+        try:
+            job = conn.recv()
+        except EOFError:  # the engine is gone
+            return
+        conn.send(safely(grade, *job))
 
 
 class Graders:

@@ -56,11 +56,14 @@ def placement(cfg, world, local_world, gpus):
     return [gpus[local_world + e * tp:local_world + (e + 1) * tp] for e in range(E)]
 
 
-def place(cfg, world, local_world, device):
-    """-> (each engine's GPUs, cores a lone CPU trainer rank may borrow while the engines idle)."""
+def place(cfg, world, local_world, device, master):
+    """-> (each engine's GPUs, cores a lone CPU trainer rank may borrow while the engines idle).
+    Only rank 0 places engines: on node 0, which may have fewer trainer ranks than the others."""
     if device.type == "cuda":
         import torch
         torch.cuda.set_device(device)
+        if not master:
+            return [], 0
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
         gpus = gpus if gpus[0] else [str(i) for i in range(torch.cuda.device_count())]
         return placement(cfg, world, local_world, gpus), 0
@@ -195,7 +198,7 @@ class Rollout:
     def messages(self):
         """Take what the trainer sent; block briefly only if there is nothing to do. False: stop."""
         block = not self.engine.has_unfinished_requests()
-        wait = 0.005 if self.graders.busy else 0.05  # grades due soon: do not spin, do not oversleep
+        wait = 0.005 if self.graders.busy else 0.05  # grades due soon: neither spin nor oversleep
         while True:
             try:
                 msg = self.inbox.get(timeout=wait) if block else self.inbox.get_nowait()

@@ -1,14 +1,13 @@
 """
 train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value ...]`
-(`python train.py ...` is one rank). N trainer ranks shard the policy with FSDP2; rank 0 starts the
-rollout side, vLLM engines that generate all the time (rollout.py). Each optimizer step:
-  1. takes a batch of groups from the buffer, the one place it waits for generation (buffer.py),
+(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; rank 0 starts vLLM
+engines that generate all the time (rollout.py). Each optimizer step:
+  1. takes a batch from the buffer, the one place it waits for generation (buffer.py),
   2. computes the loss micro-batch by micro-batch (loss.py) and steps the optimizer,
-  3. pushes the new weights to every vLLM worker, loaded between two engine steps (sync.py),
-  4. logs a line to the console and {out_dir}/metrics.jsonl (metrics.py).
-Version k = the weights after k optimizer steps; batch k is trained at version k. Ctrl-C or SIGTERM
-stops every rank at the next step boundary, after writing {out_dir}/ckpt.pt (with ckpt_every).
-
+  3. pushes the new weights into every vLLM worker, loaded between two engine steps (sync.py),
+  4. logs to the console and {out_dir}/metrics.jsonl (metrics.py).
+Version k = the weights after k steps; batch k is trained at version k. Ctrl-C or SIGTERM stops
+every rank at the next step boundary, after writing {out_dir}/ckpt.pt (with ckpt_every).
 Simplifications: one optimizer step per batch; AdamW at a constant learning rate; rank 0 alone talks
 to the rollout side and deals each batch out to the other ranks.
 """
@@ -103,23 +102,21 @@ model = config["model"]  # a hub id is now a folder in the hub cache
 # ---- placement: trainer ranks on each node's first GPUs, the engines after them on node 0 ----
 device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
 try:
-    engine_gpus, borrow = rollout.place(config, world, local_world, device)
+    engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
 except ValueError as e:
     configurator.die(str(e))
 dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if
                         device.type == "cuda" else None, timeout=timedelta(seconds=timeout_s))
 torch.manual_seed(seed)
-if trainer_threads > 0:
-    torch.set_num_threads(trainer_threads)
+torch.set_num_threads(trainer_threads or torch.get_num_threads())
 threads = torch.get_num_threads()
 
 # ---- the policy, sharded; the optimizer; the optional reference ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
 L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
-reference = None
-if kl_coef > 0:
-    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval() \
+    if kl_coef > 0 else None
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
 
 
@@ -186,22 +183,19 @@ def push_weights(version):  # every rank gathers; rank 0 sends
     return sync.push(None, full_weights(), buckets)
 
 
-def pad(rows, width):
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device).float()
-
-
 def micro_batch(groups, step, n_tok):
     """Loss and backward of a micro-batch of groups -> its share of metrics.SUMS."""
     n_chunks = L.agreed_chunks(groups, world, device)
     logp, mask, positions = L.token_logprobs(policy, groups, temperature, device, n_chunks=n_chunks)
-    comps = [c for g in groups for c in g["completions"]]
-    behav = pad([c["logprobs"] for c in comps], logp.shape[1])
+    comps, W = [c for g in groups for c in g["completions"]], logp.shape[1]
+    pad = lambda key: torch.tensor([c[key] + [0] * (W - len(c[key])) for c in comps], device=device)
+    behav = pad("logprobs")
     cut = torch.tensor([c["cut"] for c in comps], device=device)
     rewards = L.overlong_rewards(torch.tensor([c["reward"] for c in comps], device=device),
                                  mask.sum(1), cut, max_new_tokens, overlong, overlong_buffer)
     adv = L.group_advantages(rewards, group_size, adv_norm_std)
     mask = mask * ~cut[:, None] if overlong == "mask" else mask
-    age = (step - pad([c["versions"] for c in comps], logp.shape[1])) * mask
+    age = (step - pad("versions")) * mask
     ref_logp = None
     if reference is not None:
         with torch.no_grad():
@@ -220,7 +214,7 @@ try:
     for step in range(start, max_steps):
         version = step
         # ---- 1. a batch ----
-        t0, batch = time.perf_counter(), None  # None from rank 0: every rank stops here
+        batch = None  # None from rank 0: every rank stops at this step boundary
         if master and not stop_signal:
             try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive)
@@ -236,7 +230,6 @@ try:
                 save_checkpoint(version, resume_state())
             raise buf.Stopped()
         mine, n_tok = box[0][0][rank], box[0][1]
-        t_wait = t_wait if master else time.perf_counter() - t0
         # ---- 2. the loss and one optimizer step ----
         t0, sums, borrowed = time.perf_counter(), torch.zeros(len(metrics.SUMS), device=device), 0
         for i in range(0, len(mine), micro_batch_groups):
@@ -253,17 +246,17 @@ try:
             bad_in_a_row = 0
         else:  # a NaN/inf gradient would poison the weights (and vLLM's): skip, stop if it persists
             skipped_steps, bad_in_a_row = skipped_steps + 1, bad_in_a_row + 1
-            print(f"warning: step {step}: gradient norm {grad_norm.item()}, step skipped",
+            print(f"warning: step {step}: gradient norm {grad_norm.item()}, optimizer step skipped",
                   file=sys.stderr)
             if bad_in_a_row >= max_bad_steps:
-                raise FloatingPointError(f"{bad_in_a_row} steps in a row had a NaN/inf gradient: "
-                                         f"lower lr or check the data ({max_bad_steps=})")
+                raise FloatingPointError(f"{bad_in_a_row} optimizer steps in a row had a NaN/inf "
+                                         f"gradient: lower lr or check the data ({max_bad_steps=})")
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(sums)
         t_train, version = time.perf_counter() - t0, step + 1
         # ---- 3. the new weights to every engine ----
         t0 = time.perf_counter()
-        sync_bytes = push_weights(version)  # the overlap, 2 of 2: the engines load it between steps
+        sync_bytes = push_weights(version)  # the overlap, 2 of 2: loaded between two engine steps
         t_sync = time.perf_counter() - t0
         # ---- 4. log ----
         if master:
@@ -280,11 +273,9 @@ try:
                 trainer_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 **fleet.rollout_stats()), groups, fleet.evals)
             fleet.consume(seen)
-        if ckpt_every and version % ckpt_every == 0:
+        if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version, resume_state())
     # ---- the end: the final eval; the model in Hugging Face format ----
-    if ckpt_every and version % ckpt_every:
-        save_checkpoint(version, resume_state())
     full = {name: t.cpu() for name, t in full_weights(torch.float32)}
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
@@ -295,8 +286,7 @@ try:
         fleet.stop(max_steps, timeout_s)
 except buf.Stopped:
     if master:
-        saved = f"; checkpoint at version {version} in {ckpt_path}: go on with --resume" \
-            if ckpt_every else ""
+        saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
         print(f"stopped by {signal.Signals(stop_signal[0]).name} at step {step}{saved}",
               file=sys.stderr, flush=True)
     sys.exit(128 + stop_signal[0])

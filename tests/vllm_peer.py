@@ -10,11 +10,10 @@ import rollout  # noqa: E402  (sets VLLM_ENABLE_V1_MULTIPROCESSING before vllm i
 import sync  # noqa: E402
 
 if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import SamplingParams
     path, port, cfg = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-    llm = LLM(model=path, dtype="float32", seed=0, max_model_len=128, enforce_eager=True,
-              logprobs_mode="processed_logprobs", async_scheduling=False)
+    llm = rollout.make_llm(dict(cfg, model=path, seed=0, max_model_len=128, enforce_eager=True,
+                                gpu_memory_utilization=0.5, tensor_parallel_size=1, kv_cache_gb=1), "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
     llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
     prompt = json.loads(store.get("prompt"))
