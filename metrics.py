@@ -20,7 +20,7 @@ def token_sums(loss, bounded, logp, behav, mask, fresh, positions):
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
     shift = (logp.detach() - behav).abs()  # |log rho|
     parts = (loss.detach(), bounded & fresh, fresh, bounded & stale, stale, shift * fresh,
-             shift * stale, *map(torch.tensor, positions))
+             shift * stale, *(torch.tensor(float(p), device=logp.device) for p in positions))
     return torch.stack([x.float().sum() for x in parts]).to(logp.device)
 
 
