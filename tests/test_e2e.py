@@ -254,6 +254,7 @@ def test_prompts_too_long_are_skipped_and_counted(tiny, tmp_path):
     (["--lr"], "'--lr' has no value: write --lr=VALUE"),
     (["config/nope.py"], "config file 'config/nope.py' not found"),
     (["--max_staleness=-1"], "max_staleness=-1 must be >= 0"),
+    (["--is_mode=clip"], "is_mode='clip' is not one of truncate, mask: pick one"),
     (["--model=data/missing"], "model 'data/missing' is not a local model folder and could not be loaded from"),
     (["--task=gsm8k"], "task 'gsm8k' needs --data_path=FILE.jsonl"),
     (["--task=gsm8k", "--data_path=data/none.jsonl"], "data_path 'data/none.jsonl' not found"),
