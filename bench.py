@@ -3,6 +3,7 @@ bench.py: how well the pipeline keeps generation and training busy. Prints a tab
 
   python bench.py                      # tiny and SmolLM2 configs on this machine (CPU), < 10 minutes
   python bench.py --configs=tiny       # just the tiny one
+  python bench.py --trl                # TRL's GRPOTrainer vs ours on the demo, same machine (pip install trl)
   torchrun --nproc_per_node=1 bench.py --trainer   # the trainer step alone, no vLLM: the 1.5B recipe's shape
                                                    # in bf16 on a GPU, a small model in fp32 on CPU
 
@@ -146,13 +147,41 @@ if __name__ == "__main__":
     return sorted(pushed)[repeats // 2], sorted(raw)[repeats // 2], sender.bytes
 
 
+def unshared_logprobs(model, group, device):
+    """The plain alternative to loss.token_logprobs, for --shared=0: every completion runs with its
+    own copy of the prompt, in chunks of similar length (loss.plan_chunks). -> logp, mask, (c, r)"""
+    import torch
+    import loss as L
+    P, comps = len(group["prompt_ids"]), [c["ids"] for c in group["completions"]]
+    T = max(map(len, comps))
+    logp, mask = torch.zeros(len(comps), T, device=device), torch.zeros(len(comps), T, device=device)
+    computed = real = 0
+    for rows in L.plan_chunks([P + len(c) for c in comps]):
+        W = P + len(comps[rows[0]])
+        ids = torch.zeros(len(rows), W + 1, dtype=torch.long)
+        am = torch.zeros(len(rows), W, dtype=torch.long)
+        for j, i in enumerate(rows):
+            seq = group["prompt_ids"] + comps[i]
+            ids[j, :len(seq)], am[j, :len(seq)] = torch.tensor(seq), 1
+        ids, am = ids.to(device), am.to(device)
+        with L.scoring(model, ids[:, 1:, None], 1.0):  # the logprob of each next token
+            lp = model(input_ids=ids[:, :W], attention_mask=am).logits[..., 0]
+        idx = torch.tensor(rows, device=device)
+        Tc = W - P
+        logp = logp.index_put((idx,), torch.nn.functional.pad(lp[:, P - 1:W - 1], (0, T - Tc)))
+        mask = mask.index_put((idx,), torch.nn.functional.pad(am[:, P:].float(), (0, T - Tc)))
+        computed, real = computed + am.numel(), real + int(am.sum())
+    return logp * mask, mask, (computed, real)
+
+
 def trainer_only():
     """The trainer step alone at the GPU recipe's shape, nothing downloaded: a Qwen2.5-1.5B-shaped model
     with random weights (on CPU a small model of the same vocabulary), wrapped as train.py wraps it
     (loss.shard), groups of 16 completions of mixed lengths up to `tokens` sharing one prompt, one group
     per micro-batch (loss.token_logprobs). Prints tokens/s, MFU (6 N tokens / time / peak), peak memory,
     pad_frac. --checkpointing=1: whole-layer activation checkpointing. --no_sync=1: accumulate the
-    gradients unsharded across micro-batches, reduce-scattered once (FSDP's no-sync), to compare."""
+    gradients unsharded across micro-batches, reduce-scattered once (FSDP's no-sync), to compare.
+    --shared=0: no prompt KV sharing, every completion with its own prompt (unshared_logprobs)."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -170,7 +199,7 @@ def trainer_only():
     model = Qwen2ForCausalLM(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     L.shard(model, torch.bfloat16 if gpu else torch.float32, args.get("checkpointing") == "1")
-    no_sync = args.get("no_sync") == "1"
+    no_sync, shared = args.get("no_sync") == "1", args.get("shared", "1") == "1"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     G, n, P = int(args.get("groups", 8 if gpu else 2)), 16, 256 if gpu else 64
     T = int(args.get("tokens", 1024 if gpu else 128))
@@ -187,7 +216,8 @@ def trainer_only():
         t = time.perf_counter()
         for i, g in enumerate(groups):  # micro-batch = one group
             model.set_requires_gradient_sync(not no_sync or i == len(groups) - 1)
-            logp, mask, (c, r) = L.token_logprobs(model, [g], 1.0, device)
+            logp, mask, (c, r) = L.token_logprobs(model, [g], 1.0, device) if shared else \
+                unshared_logprobs(model, g, device)
             adv = torch.randn(n, device=device)
             loss, _ = L.grpo_loss(logp, logp.detach(), adv, mask, float(mask.sum()))
             loss.backward()
@@ -200,7 +230,8 @@ def trainer_only():
     step = min(times[1:])
     peak = 989e12 if gpu else None  # H100 SXM dense bf16
     out = {"device": torch.cuda.get_device_name() if gpu else "cpu", "params": n_params,
-           "checkpointing": args.get("checkpointing") == "1", "no_sync": no_sync, "step_s": step,
+           "checkpointing": args.get("checkpointing") == "1", "no_sync": no_sync, "shared": shared,
+           "step_s": step,
            "tokens": tokens, "tokens_per_s": tokens / step,
            "mfu": 6 * n_params * tokens / step / peak if peak else None,  # attention scores left out
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
@@ -209,6 +240,59 @@ def trainer_only():
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(out))
     dist.destroy_process_group()
+
+
+TRL_BASELINE = """import json, sys, time
+sys.path.insert(0, {root!r})
+import torch, datasets, reward
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+train_set, _ = reward.arithmetic(1337, 200)
+ds = datasets.Dataset.from_list([{{"prompt": [{{"role": "user", "content": p["prompt"]}}],
+                                  "answer": p["answer"]}} for p in train_set])
+grade = lambda completions, answer, **kw: [reward.grade_number(c[0]["content"], a)
+                                           for c, a in zip(completions, answer)]
+times = []
+class Clock(TrainerCallback):
+    def on_step_end(self, *a, **kw):
+        times.append(time.perf_counter())
+cfg = GRPOConfig(output_dir="{out}", per_device_train_batch_size=16, gradient_accumulation_steps=8,
+                 num_generations=8, max_completion_length=64, temperature=0.7, learning_rate=2e-5,
+                 beta=0.0, max_steps={steps}, logging_steps=1, report_to="none", use_cpu=True,
+                 bf16=False, save_strategy="no", seed=1337, lr_scheduler_type="constant")
+trainer = GRPOTrainer(model="{model}", reward_funcs=grade, args=cfg, train_dataset=ds,
+                      callbacks=[Clock()])
+t0 = time.perf_counter()
+trainer.train()
+steps = [b - a for a, b in zip([t0] + times, times)]
+print(json.dumps({{"trl_step_s": steps, "rewards": [h["reward"] for h in trainer.state.log_history
+                                                    if "reward" in h]}}))
+"""
+
+
+def trl_baseline():
+    """The same-machine baseline: TRL's GRPOTrainer (needs `pip install trl datasets`) on the demo's
+    task and model, 16 prompts x 8 samples of at most 64 tokens per step, fp32, lr 2e-5, against
+    ours at the same batch (--batch_groups=16 --drop_flat=False, the demo's other settings).
+    Samples/s over the steps after the first."""
+    steps = int(args.get("steps", 4))
+    subprocess.run([sys.executable, "prepare.py", "smollm2"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL)
+    code = TRL_BASELINE.format(root=ROOT, out=os.path.join(ROOT, "out/bench/trl"), steps=steps,
+                               model=os.path.join(ROOT, "data/smollm2-135m"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"TRL failed (pip install trl datasets?):\n{out.stderr[-2000:]}")
+    trl = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = train("smollm", f"--max_steps={steps}", "--batch_groups=16", "--drop_flat=False",
+                 "--lr=2e-5", "--borrow_cpus=True", "--eval_n=100")
+    trl_s = mean(trl["trl_step_s"][1:])
+    ours_s = per_sample(ours) * 128
+    print(json.dumps({"trl_step_s": trl["trl_step_s"], "trl_reward": trl["rewards"],
+                      "ours_step_s": [r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"] for r in ours],
+                      "ours_reward": [r["reward_mean"] for r in ours],
+                      "trl_samples_per_s": 128 / trl_s, "ours_samples_per_s": 128 / ours_s,
+                      "speedup": trl_s / ours_s}))
 
 
 SLOW_GRADER = """import functools, time, reward
@@ -257,6 +341,8 @@ if __name__ == "__main__":
         sys.exit(trainer_only())
     if "--grading" in sys.argv:
         sys.exit(grading())
+    if "--trl" in sys.argv:
+        sys.exit(trl_baseline())
     results, table = {}, []
     for name in args.get("configs", "tiny,smollm").split(","):
         # the config's model, made offline once (a no-op when it is there already)

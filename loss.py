@@ -1,15 +1,12 @@
 """
 loss.py: the trainer's logprobs of the sampled tokens, and the GRPO loss on stale samples.
-
-  A_i   = r_i - mean(r of the group)     (optionally / std)
-  rho_t = pi_theta(y_t) / pi_behav(y_t)  pi_behav: vLLM's logprob of the token it sampled, up to
-                                         max_staleness versions old
-  w_t   = rho_t bounded: "truncate" min(rho, high), or "mask" rho inside [low, high] and 0 outside;
-          per token, or per completion ("sequence": the geometric mean of its rho); tighten > 0
-          gives a token of age a the bounds ** 1 / (1 + tighten * a): older samples weigh less
+  A_i   = r_i - mean(r of the group)  (optionally / std)
+  rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
+  w_t   = rho_t bounded: "truncate" min(rho, high) or "mask" 0 outside [low, high]; per token or
+          per completion (geometric mean); tighten > 0: bounds ** 1/(1 + tighten * age)
   loss  = token mean over the batch of -A_i * sg(w_t) * log pi_theta(y_t)
-One optimizer step per batch: the fresh tokens' sampler is the policy being trained, so a PPO clip
-against an old policy would never bind; the bounds on rho act on stale tokens only.
+One optimizer step per batch: fresh tokens were sampled by the policy being trained, so a PPO clip
+would never bind; the bounds act on stale tokens only.
 """
 import math
 from contextlib import contextmanager
@@ -20,9 +17,8 @@ from transformers import DynamicCache
 
 
 class SampledLogprob(torch.autograd.Function):
-    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time: the [positions x vocabulary]
-    logits never exist whole. Backward recomputes each chunk's softmax unless all fit in keep_mb.
-    h [N, H], w [V, H], ids [N, K] -> [N, K] fp32."""
+    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time: [positions x vocabulary] never
+    exists whole. Backward recomputes each chunk's softmax unless all fit in keep_mb."""
 
     @staticmethod
     def forward(ctx, h, w, ids, temperature, rows, keep_mb):
@@ -40,8 +36,7 @@ class SampledLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        h, w, ids = ctx.saved_tensors
-        T, rows = ctx.temperature, ctx.rows
+        (h, w, ids), T, rows = ctx.saved_tensors, ctx.temperature, ctx.rows
         dh, dw = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for c, i in enumerate(range(0, h.shape[0], rows)):
             hc, gc = h[i:i + rows], g[i:i + rows]
@@ -57,8 +52,7 @@ class SampledLogprob(torch.autograd.Function):
 @contextmanager
 def scoring(net, ids, temperature, rows=1024, keep_mb=512):
     """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits.
-    (Its forward is swapped: FSDP's hooks sit on the root module. A copy, not a view, comes out:
-    FSDP hooks its backward onto it.)"""
+    Its forward is swapped (FSDP's hooks are on the root); the clone is for FSDP's backward hook."""
     head = net.get_output_embeddings()
     head.forward = lambda h: SampledLogprob.apply(
         h.reshape(-1, h.shape[-1]), head.weight, ids.reshape(-1, ids.shape[-1]), temperature, rows,
@@ -70,8 +64,8 @@ def scoring(net, ids, temperature, rows=1024, keep_mb=512):
 
 
 def checkpoint_layers(net):
-    """Whole-layer activation checkpointing. Attention appends to the KV cache that a prompt shares
-    with its completions: a recompute first cuts its cache layer back to its first length."""
+    """Whole-layer activation checkpointing. Attention appends to the prompt's shared KV cache, so
+    a recompute first cuts that cache layer back to the length it had."""
     for layer in net.model.layers:
         def forward(*args, _inner=layer.forward, _i=layer.self_attn.layer_idx, **kw):
             cache = kw.get("past_key_values")
@@ -87,13 +81,13 @@ def checkpoint_layers(net):
 
 
 def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
-    """Rows in chunks of similar length, longest first, each at most max_pad x its real tokens wide.
-    n_chunks: split the largest until there are that many (FSDP ranks run as many forward calls);
-    a rank short of rows gets [None]: a chunk whose result is multiplied by 0."""
+    """Rows in chunks of similar length, longest first, each at most max_pad x its real tokens.
+    n_chunks: split the largest until there are that many (every FSDP rank runs as many forward
+    calls); a rank short of rows gets [None], a chunk whose result counts 0."""
     chunks, real = [], 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        width = lengths[chunks[-1][0]] if chunks else 0
-        if chunks and (len(chunks[-1]) + 1) * width <= max_pad * (real + lengths[i]):
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_pad * (
+                real + lengths[i]):
             chunks[-1].append(i)
             real += lengths[i]
         else:
@@ -110,15 +104,14 @@ def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
 
 
 def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
-    """-> logp, mask [completions, longest], (positions computed, positions not padding). Each
-    prompt runs once, left-padded; its KV cache serves its completions, which run right-padded in
-    chunks of similar length (one long answer would otherwise widen every row)."""
+    """-> logp, mask [completions, longest], (positions computed, real). Each prompt runs once,
+    left-padded; its KV cache serves its completions, run right-padded in chunks of similar length
+    (one long answer would otherwise widen every row)."""
     n = len(groups[0]["completions"])
     prompts = [g["prompt_ids"] for g in groups]
     comps = [c["ids"] for g in groups for c in g["completions"]]
     P, T = max(map(len, prompts)), max(max(map(len, comps)), 2)
-    pids = torch.zeros(len(prompts), P, dtype=torch.long)
-    cids = torch.zeros(len(comps), T, dtype=torch.long)
+    pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T).long()
     pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
     for i, p in enumerate(prompts):
         pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
@@ -160,8 +153,8 @@ def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):
 
 
 def overlong_rewards(rewards, lengths, cut, max_new_tokens, mode, buffer):
-    """mode "penalty" (DAPO's soft overlong penalty): the last `buffer` tokens before max_new_tokens
-    cost up to 1, linearly; a cut answer costs 1. Other modes leave the rewards alone."""
+    """"penalty" (DAPO): the last `buffer` tokens before max_new_tokens cost up to 1, a cut answer
+    costs 1. Other modes leave the rewards alone."""
     if mode != "penalty":
         return rewards
     over = (lengths - (max_new_tokens - buffer)).clamp(min=0) / max(buffer, 1)
@@ -170,8 +163,8 @@ def overlong_rewards(rewards, lengths, cut, max_new_tokens, mode, buffer):
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="truncate", low=0.0,
               high=3.0, tighten=0.0, ref_logp=None, kl_coef=0.0):
-    """logp, behav, mask, age [B, T]; adv [B]; n_tokens: completion tokens of the whole batch, so
-    that micro-batches and ranks add up to a token mean. -> (loss, tokens whose weight was bound)"""
+    """logp, behav, mask, age [B, T]; adv [B]; n_tokens: the whole batch's, so micro-batches and
+    ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
     log_rho = (logp.detach() - behav) * mask
     age = torch.zeros_like(mask) if age is None else age.to(logp.dtype)
@@ -193,8 +186,8 @@ def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="t
 
 
 def shard(net, dtype, checkpointing=False):
-    """FSDP2, the one wrap: each decoder layer, then the root (embeddings, norm, head); master
-    weights and gradient reduction in fp32, compute in dtype."""
+    """FSDP2, the one wrap: each decoder layer, then the root; fp32 master weights and gradient
+    reduction, compute in dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if checkpointing:
         checkpoint_layers(net)
@@ -205,11 +198,11 @@ def shard(net, dtype, checkpointing=False):
 
 
 def agreed_chunks(groups, world, device):
-    """The number of chunks every rank runs for this micro-batch (FSDP's collectives need as many
-    forward calls on every rank, not the same shapes); 0 on one rank: no agreement needed."""
+    """The chunks every rank runs for this micro-batch: FSDP needs as many forward calls on every
+    rank, not the same shapes. 0 on one rank."""
     if world == 1:
         return 0
-    lengths = [len(c["ids"]) for g in groups for c in g["completions"]]
-    n = torch.tensor([len(plan_chunks(lengths))], device=device)
+    n = torch.tensor([len(plan_chunks([len(c["ids"]) for g in groups for c in g["completions"]]))],
+                     device=device)
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
     return int(n)

@@ -1,22 +1,18 @@
 """
-rollout.py: generation. Trainer rank 0 starts one rollout process per vLLM engine (spawn()), on its
-own GPUs (colocate: on the trainer's). None of them ever waits for the trainer.
-
-Each process drives its engine one step at a time (continuous batching); between two steps it
-  1. loads new weights once announced (each worker receives them itself, sync.load); requests in
-     flight go on with them. Each token is tagged with the version that computed it (with
-     async_scheduling off, the tokens a step() returns were computed in that step);
+rollout.py: generation. Trainer rank 0 starts one process per vLLM engine (spawn()) on its own GPUs
+(colocate: the trainer's). It never waits for the trainer: between two engine steps it
+  1. loads new weights once announced (sync.load); requests in flight go on with them, and each
+     token is tagged with the version that computed it (async_scheduling off: a step() returns
+     the tokens computed in it);
   2. admits prompt groups while the staleness bound allows (take_ticket: one budget, all engines);
   3. hands finished answers to grader processes (reward.Graders) and sends each graded group to the
      trainer, with the logprobs of the distribution actually sampled (processed_logprobs).
-Engine 0 runs the greedy held-out eval every eval_every versions. A load waits for a running eval
-(an eval sees one version); meanwhile every engine and the trainer wait, engine 0 admits nothing.
-Prompts are one endless stream: position k is problem perm_e[k mod N] of epoch e = k // N, a seeded
-shuffle; each group carries its position, so a checkpoint says which ones were trained.
-
-Simplifications: one process per engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in
-it); a group is n=1 requests sharing their prompt's KV cache; no top-k/top-p (the behaviour logprobs
-would be of a truncated distribution). SIGINT/SIGTERM are ignored: trainer rank 0 stops us.
+Engine 0 runs the greedy held-out eval every eval_every versions; a load waits for it (an eval sees
+one version). Prompts are an endless stream: position k is problem perm_e[k mod N], perm_e a seeded
+shuffle for epoch e = k // N; a checkpoint lists the positions trained.
+Simplifications: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); a group is
+n=1 requests sharing their prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated
+distribution). SIGINT/SIGTERM are ignored: trainer rank 0 stops us.
 """
 import ctypes
 import json
@@ -40,38 +36,33 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
                 "OMP_NUM_THREADS")
 
 
-def placement(cfg, world, local_world, gpus):
-    """-> this node's GPUs for each engine, after the trainer ranks'; ValueError with the fix."""
+def place(cfg, world, local_world, device, master):
+    """-> (each engine's GPUs, after the trainer ranks' on node 0; the cores a lone CPU trainer
+    rank may borrow while the engines idle). ValueError with the fix."""
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
+    if device.type == "cpu":
+        cores = cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
+        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0
+        if cores and not borrow:
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
+        return [[] for _ in range(E)], borrow
+    import torch
+    torch.cuda.set_device(device)
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    gpus = gpus if gpus[0] else [str(i) for i in range(torch.cuda.device_count())]
+    if not master:  # only rank 0 starts engines: node 0 may have fewer trainer ranks than others
+        return [], 0
     if cfg["colocate"]:  # CUDA IPC needs trainer and engine on one device
         if world != 1 or E * tp != 1:
             raise ValueError(f"colocate runs 1 trainer rank and 1 engine with tensor_parallel_size"
                              f"=1 on one GPU (got {world} ranks, rollout_engines={E}, "
                              f"tensor_parallel_size={tp}): --nproc_per_node=1, or drop --colocate")
-        return [gpus[:1]]
+        return [gpus[:1]], 0
     if local_world + E * tp > len(gpus):
         raise ValueError(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} "
                          f"need {local_world + E * tp} GPUs, this node has {len(gpus)}: use fewer "
                          "--nproc_per_node or --rollout_engines, or --colocate on one GPU")
-    return [gpus[local_world + e * tp:local_world + (e + 1) * tp] for e in range(E)]
-
-
-def place(cfg, world, local_world, device, master):
-    """-> (each engine's GPUs, cores a lone CPU trainer rank may borrow while the engines idle).
-    Only rank 0 places engines: on node 0, which may have fewer trainer ranks than the others."""
-    if device.type == "cuda":
-        import torch
-        torch.cuda.set_device(device)
-        if not master:
-            return [], 0
-        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-        gpus = gpus if gpus[0] else [str(i) for i in range(torch.cuda.device_count())]
-        return placement(cfg, world, local_world, gpus), 0
-    cores = cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
-    borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0
-    if cores and not borrow:
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
-    return [[] for _ in range(cfg["rollout_engines"])], borrow
+    return [gpus[local_world + e * tp:local_world + (e + 1) * tp] for e in range(E)], 0
 
 
 def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
@@ -103,14 +94,12 @@ def format_prompt(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def make_llm(cfg, device, **extra):
-    """The engine as the rollout process runs it (bench.py times the same one)."""
+def make_llm(cfg, device, **extra):  # the engine, as here and in bench.py
     from vllm import LLM
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
     # prefix caching shares whole blocks: at the CPU default of 128 tokens a group's samples would
-    # each recompute their prompt, at 32 they share all but its last block. async_scheduling=False:
-    # step() returns the tokens computed in it; none sampled before a load gets the new version
+    # each recompute their prompt. async_scheduling=False: step() returns the tokens computed in it
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"],
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
                gpu_memory_utilization=cfg["gpu_memory_utilization"], async_scheduling=False,
@@ -121,9 +110,8 @@ def make_llm(cfg, device, **extra):
 def take_ticket(store, version, v0, cfg):
     """The staleness bound, one budget for all engines, in the trainer's store. Batch k is trained
     at version k, so a group admitted at version v is at most max_staleness old when trained iff
-    fewer than (v - v0 + max_staleness + 1) * batch_groups groups were admitted before it since the
-    run began at v0, not counting discarded ones (flat: counted by the engines; stale: by the
-    trainer). -> admitted?"""
+    fewer than (v - v0 + max_staleness + 1) * batch_groups groups were admitted since the run began
+    at v0, not counting discarded ones (flat: counted by engines; stale: by the trainer)."""
     allowed = (version - v0 + cfg["max_staleness"] + 1) * cfg["batch_groups"]
     if store.add("admitted", 1) <= allowed + store.add("flat", 0) + store.add("discarded", 0):
         return True
@@ -132,7 +120,7 @@ def take_ticket(store, version, v0, cfg):
 
 
 def receive(ctl, inbox):
-    """Thread: the trainer's headers into the loop's inbox; an error too, so that the loop exits."""
+    """Thread: the trainer's headers into the loop's inbox; an error too, so the loop exits."""
     import sync
     try:
         while not (msg := sync.recv_header(ctl))[2]:
@@ -175,9 +163,9 @@ class Rollout:
         self.pending, self.retry_at, self.idle, self.n_groups = None, 0.0, "", 0
         self.eval_correct = 0
         # cumulative, sent with every message: failures, and where this engine's time goes
-        self.counters = dict.fromkeys(("reward_failed", "skipped_long", "rollout_tokens"), 0)
-        self.counters.update(dict.fromkeys(("rollout_engine_s", "rollout_load_s", "rollout_grade_s",
-                                            "rollout_rss_mb"), 0.0))
+        self.counters = {k: 0 for k in ("reward_failed", "skipped_long", "rollout_tokens",
+                                        "rollout_engine_s", "rollout_load_s", "rollout_grade_s",
+                                        "rollout_rss_mb")}
         self.inbox = queue.Queue()
         threading.Thread(target=receive, args=(self.ctl, self.inbox), daemon=True).start()
 
@@ -198,7 +186,7 @@ class Rollout:
     def messages(self):
         """Take what the trainer sent; block briefly only if there is nothing to do. False: stop."""
         block = not self.engine.has_unfinished_requests()
-        wait = 0.005 if self.graders.busy else 0.05  # grades due soon: neither spin nor oversleep
+        wait = 0.005 if self.graders.busy else 0.05  # grades due: neither spin nor oversleep
         while True:
             try:
                 msg = self.inbox.get(timeout=wait) if block else self.inbox.get_nowait()
@@ -214,7 +202,7 @@ class Rollout:
                 self.pending = version
 
     def load(self):
-        """Every worker receives the new weights itself; the requests in flight go on with them."""
+        """Every worker receives the new weights itself; requests in flight go on with them."""
         import sync
         t0 = time.perf_counter()
         self.llm.collective_rpc(sync.load)
@@ -316,8 +304,8 @@ class Rollout:
         sync.send_obj(self.traj, {**msg, **self.counters}, 0)
 
     def mark_idle(self):
-        """Store key idle{e} = the version this engine waits on with nothing to do: at the bound, no
-        request, no grade, no load. On CPU a lone trainer rank then borrows its cores (train.py)."""
+        """Store key idle{e} = the version this engine waits on with nothing to do (at the bound,
+        no request, grade or load): a lone CPU trainer rank then borrows its cores (train.py)."""
         busy = self.groups or self.evals or self.pending is not None or not self.retry_at
         mark = "" if busy else str(self.version)
         if mark != self.idle:

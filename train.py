@@ -7,9 +7,9 @@ engines that generate all the time (rollout.py). Each optimizer step:
   3. pushes the new weights into every vLLM worker, loaded between two engine steps (sync.py),
   4. logs to the console and {out_dir}/metrics.jsonl (metrics.py).
 Version k = the weights after k steps; batch k is trained at version k. Ctrl-C or SIGTERM stops
-every rank at the next step boundary, after writing {out_dir}/ckpt.pt (with ckpt_every).
+every rank at the next step boundary (writing {out_dir}/ckpt.pt with ckpt_every).
 Simplifications: one optimizer step per batch; AdamW at a constant learning rate; rank 0 alone talks
-to the rollout side and deals each batch out to the other ranks.
+to the rollout side and deals each batch out.
 """
 import json
 import os
@@ -121,8 +121,8 @@ full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_
 
 
 def full_weights(dtype=getattr(torch, trainer_dtype)):
-    """(name, full tensor): each shard cast before the gather (half the bytes in bf16); a tied
-    embedding comes once (named_parameters skips the alias). A collective: every rank runs it."""
+    """(name, full tensor), cast before the gather (half the bytes in bf16); a tied embedding comes
+    once. A collective: every rank runs it."""
     for name, p in policy.named_parameters():
         p = p.detach().to(dtype)
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
@@ -134,8 +134,8 @@ ckpt_path, ckpt = os.path.join(out_dir, "ckpt.pt"), {}
 
 
 def save_checkpoint(version, state):
-    """Every rank joins the gather; rank 0 writes the file atomically (a crash mid-write leaves the
-    previous one). state: what rank 0 needs to go on exactly (prompt stream position, counters)."""
+    """Every rank gathers; rank 0 writes atomically (a crash mid-write leaves the previous file).
+    state: what rank 0 needs to go on exactly (prompt stream position, counters)."""
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
