@@ -1,23 +1,29 @@
 """
-bench.py: how well the pipeline keeps generation and training busy. Prints a table and one JSON line.
+bench.py: how well the pipeline keeps generation and training busy. Prints a table and one JSON
+line.
 
-  python bench.py                      # tiny and SmolLM2 configs on this machine (CPU), < 10 minutes
-  python bench.py --configs=tiny       # just the tiny one
-  python bench.py --trl                # TRL's GRPOTrainer vs ours on the demo, same machine (pip install trl)
-  torchrun --nproc_per_node=1 bench.py --trainer   # the trainer step alone, no vLLM: the 1.5B recipe's shape
-                                                   # in bf16 on a GPU, a small model in fp32 on CPU
+  python bench.py                  # tiny and SmolLM2 configs on this machine (CPU), < 10 minutes
+  python bench.py --configs=tiny   # just the tiny one
+  python bench.py --trl            # TRL's GRPOTrainer vs ours on the demo, same machine
+                                   # (pip install trl)
+  torchrun --nproc_per_node=1 bench.py --trainer
+                                   # the trainer step alone, no vLLM: the 1.5B recipe's shape in
+                                   # bf16 on a GPU, a small model in fp32 on CPU
 
 Ratios, each measured side by side in one invocation (absolute times are noise on a shared machine):
-  overlap_speedup     wall-clock per trained sample, synchronous (max_staleness=0) / asynchronous (the config's eta),
-                      with vLLM and the trainer on disjoint cores; overlap_bound = (T_gen + T_train) / max(T_gen,
-                      T_train) from the synchronous run's own timings (there, waiting = generating)
-  sync_ratio          trainer-blocked time to push the model into a real vLLM engine (sync.push: bucketed, each
-                      bucket received and reloaded inside the worker, as in training) / one raw broadcast of the
-                      same bytes to the same worker on the same group
+  overlap_speedup     wall-clock per trained sample, synchronous (max_staleness=0) / asynchronous
+                      (the config's eta), with vLLM and the trainer on disjoint cores;
+                      overlap_bound = (T_gen + T_train) / max(T_gen, T_train) from the synchronous
+                      run's own timings (there, waiting = generating)
+  sync_ratio          trainer-blocked time to push the model into a real vLLM engine (sync.push:
+                      bucketed, each bucket received and reloaded inside the worker, as in
+                      training) / one raw broadcast of the same bytes to the same worker on the
+                      same group
   rollout_pause_share time the engine spends loading weights / time it spends generating
-  rollout_efficiency  vLLM tokens/s inside the training loop (over the time it generates or loads) / standalone vLLM
-                      generating the same prompts with the same sampling settings, (eta + 1) * batch_groups groups at
-                      once: the most that admission control lets the rollout process have in flight
+  rollout_efficiency  vLLM tokens/s inside the training loop (over the time it generates or loads)
+                      / standalone vLLM generating the same prompts with the same sampling
+                      settings, (eta + 1) * batch_groups groups at once: the most that admission
+                      control lets the rollout process have in flight
   trainer_idle_share  share of the asynchronous trainer's wall-clock spent waiting for data
 The first `warmup` steps (engine start, first batch) are left out of every average.
 """
@@ -28,27 +34,32 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# lr=0: the weights still go through AdamW and on to vLLM every step, but the policy stays put, so the synchronous and
-# the asynchronous run generate answers of the same lengths and do the same work per sample (learning would shorten
-# the answers at a different pace in each run, and per-sample times would compare different work)
+# lr=0: the weights still go through AdamW and on to vLLM every step, but the policy stays put, so
+# the synchronous and the asynchronous run generate answers of the same lengths and do the same work
+# per sample (learning would shorten the answers at a different pace in each run, and per-sample
+# times would compare different work)
 # name: (config, overrides, the `prepare.py` target that makes its model)
-# borrow_cpus=False: each side keeps its own core, so the overlap is measured against a fixed split of the machine
-CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1", "--lr=0.0",
-                                       "--borrow_cpus=False"], "tiny"),
-           # 4 groups with reward spread per step, the eval on 100 sums: what the README's table measured
-           "smollm": ("config/smollm_cpu.py", ["--max_steps=4", "--batch_groups=4", "--drop_flat=True", "--eval_n=100",
-                                               "--lr=0.0", "--borrow_cpus=False"], "smollm2")}
+# borrow_cpus=False: each side keeps its own core, so the overlap is measured against a fixed split
+# of the machine
+CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1",
+                                       "--lr=0.0", "--borrow_cpus=False"], "tiny"),
+           # 4 groups with reward spread per step, the eval on 100 sums: what the README's table
+           # measured
+           "smollm": ("config/smollm_cpu.py",
+                      ["--max_steps=4", "--batch_groups=4", "--drop_flat=True", "--eval_n=100",
+                       "--lr=0.0", "--borrow_cpus=False"], "smollm2")}
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 
 
 def train(name, *overrides):
     config, base, _ = CONFIGS[name]
-    out = os.path.join(ROOT, "out/bench", name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
+    out = os.path.join(ROOT, "out/bench",
+                       name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "metrics.jsonl"), "w").close()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "train.py", config, *base,
-           f"--out_dir={out}", "--eval_every=0", *overrides]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "train.py", config,
+           *base, f"--out_dir={out}", "--eval_every=0", *overrides]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [r for r in rows if "loss" in r]
@@ -75,15 +86,19 @@ if __name__ == "__main__":
     llm = rollout.make_llm(cfg, "cpu", max_num_seqs=cfg["rollout_groups"] * cfg["group_size"])
     tok = llm.get_tokenizer()
     train_set, _ = reward.load_task(cfg)
-    prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}} for p in train_set[:{n_prompts}]]
-    params = SamplingParams(n=cfg["group_size"], temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0)
+    prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}}
+               for p in train_set[:{n_prompts}]]
+    params = SamplingParams(n=cfg["group_size"], temperature=cfg["temperature"],
+                            max_tokens=cfg["max_new_tokens"], logprobs=0)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    print(json.dumps({{"tokens_per_s": sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)}}))
+    print(json.dumps({{"tokens_per_s": sum(len(c.token_ids) for o in outs for c in o.outputs)
+                                       / (time.perf_counter() - t)}}))
 """
     config, base, _ = CONFIGS[name]
-    cfg = json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0", "train_config.json")))
+    cfg = json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
+                                      "train_config.json")))
     path = os.path.join(ROOT, "out/bench", name + "_standalone.json")
     json.dump(cfg, open(path, "w"))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
@@ -91,13 +106,15 @@ if __name__ == "__main__":
     if cpus:  # the same cores the rollout process had
         env.update(VLLM_CPU_OMP_THREADS_BIND=cpus, OMP_NUM_THREADS=str(len(cpus.split(","))))
     prefix = ["taskset", "-c", cpus] if cpus else []
-    out = subprocess.run(prefix + [sys.executable, "-c", code, path], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(prefix + [sys.executable, "-c", code, path], env=env, capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
 def weight_sync(model_dir, bucket_mb, repeats=5):
-    """Trainer-side seconds to push a model's weights into a real vLLM engine (sync.push; its worker receives
-    and reloads bucket by bucket, sync.load) vs one raw broadcast of the same bytes to the same worker."""
+    """Trainer-side seconds to push a model's weights into a real vLLM engine (sync.push; its worker
+    receives and reloads bucket by bucket, sync.load) vs one raw broadcast of the same bytes to the
+    same worker."""
     code = f"""
 import os, sys, torch
 sys.path.insert(0, {ROOT!r})
@@ -129,7 +146,8 @@ if __name__ == "__main__":
     peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     sender = sync.Sender(store, sync.plan_buckets(meta, bucket_mb, torch.float32),
-                         {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60}, torch.device("cpu"), 1)
+                         {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60},
+                         torch.device("cpu"), 1)
     flat = torch.zeros(sender.bytes // 4)
     store.set("numel", str(flat.numel()))
     pushed, raw = [], []
@@ -154,7 +172,8 @@ def unshared_logprobs(model, group, device):
     import loss as L
     P, comps = len(group["prompt_ids"]), [c["ids"] for c in group["completions"]]
     T = max(map(len, comps))
-    logp, mask = torch.zeros(len(comps), T, device=device), torch.zeros(len(comps), T, device=device)
+    logp, mask = (torch.zeros(len(comps), T, device=device),
+                  torch.zeros(len(comps), T, device=device))
     computed = real = 0
     for rows in L.plan_chunks([P + len(c) for c in comps]):
         W = P + len(comps[rows[0]])
@@ -175,13 +194,14 @@ def unshared_logprobs(model, group, device):
 
 
 def trainer_only():
-    """The trainer step alone at the GPU recipe's shape, nothing downloaded: a Qwen2.5-1.5B-shaped model
-    with random weights (on CPU a small model of the same vocabulary), wrapped as train.py wraps it
-    (loss.shard), groups of 16 completions of mixed lengths up to `tokens` sharing one prompt, one group
-    per micro-batch (loss.token_logprobs). Prints tokens/s, MFU (6 N tokens / time / peak), peak memory,
-    pad_frac. --checkpointing=1: whole-layer activation checkpointing. --no_sync=1: accumulate the
-    gradients unsharded across micro-batches, reduce-scattered once (FSDP's no-sync), to compare.
-    --shared=0: no prompt KV sharing, every completion with its own prompt (unshared_logprobs)."""
+    """The trainer step alone at the GPU recipe's shape, nothing downloaded: a Qwen2.5-1.5B-shaped
+    model with random weights (on CPU a small model of the same vocabulary), wrapped as train.py
+    wraps it (loss.shard), groups of 16 completions of mixed lengths up to `tokens` sharing one
+    prompt, one group per micro-batch (loss.token_logprobs). Prints tokens/s, MFU (6 N tokens /
+    time / peak), peak memory, pad_frac. --checkpointing=1: whole-layer activation checkpointing.
+    --no_sync=1: accumulate the gradients unsharded across micro-batches, reduce-scattered once
+    (FSDP's no-sync), to compare. --shared=0: no prompt KV sharing, every completion with its own
+    prompt (unshared_logprobs)."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -194,7 +214,8 @@ def trainer_only():
     big = args.get("shape", "1.5b" if gpu else "small") == "1.5b"
     cfg = Qwen2Config(vocab_size=151936, hidden_size=1536 if big else 256,
                       intermediate_size=8960 if big else 768, num_hidden_layers=28 if big else 2,
-                      num_attention_heads=12 if big else 4, num_key_value_heads=2, tie_word_embeddings=True)
+                      num_attention_heads=12 if big else 4, num_key_value_heads=2,
+                      tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -208,7 +229,8 @@ def trainer_only():
     lengths = lambda: torch.randint(T // 8, T + 1, (n,), generator=gen).tolist()  # mixed, up to T
     groups = [{"prompt_ids": rand(P), "completions": [{"ids": rand(k)} for k in lengths()]}
               for _ in range(G)]
-    tokens = sum(len(g["prompt_ids"]) + sum(len(c["ids"]) for c in g["completions"]) for g in groups)
+    tokens = sum(len(g["prompt_ids"]) + sum(len(c["ids"]) for c in g["completions"])
+                 for g in groups)
     times, computed, real = [], 0, 0
     for it in range(3):
         if gpu:
@@ -233,7 +255,8 @@ def trainer_only():
            "checkpointing": args.get("checkpointing") == "1", "no_sync": no_sync, "shared": shared,
            "step_s": step,
            "tokens": tokens, "tokens_per_s": tokens / step,
-           "mfu": 6 * n_params * tokens / step / peak if peak else None,  # attention scores left out
+           # attention scores left out
+           "mfu": 6 * n_params * tokens / step / peak if peak else None,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
            "peak_rss_gib": __import__("resource").getrusage(0).ru_maxrss / 2**20,
            "pad_frac": 1 - real / computed}
@@ -265,8 +288,9 @@ trainer = GRPOTrainer(model="{model}", reward_funcs=grade, args=cfg, train_datas
 t0 = time.perf_counter()
 trainer.train()
 steps = [b - a for a, b in zip([t0] + times, times)]
-print(json.dumps({{"trl_step_s": steps, "rewards": [h["reward"] for h in trainer.state.log_history
-                                                    if "reward" in h]}}))
+logs = [h for h in trainer.state.log_history if "reward" in h]
+print(json.dumps({{"trl_step_s": steps, "rewards": [h["reward"] for h in logs],
+                  "lengths": [h["completions/mean_length"] for h in logs]}}))
 """
 
 
@@ -274,7 +298,7 @@ def trl_baseline():
     """The same-machine baseline: TRL's GRPOTrainer (needs `pip install trl datasets`) on the demo's
     task and model, 16 prompts x 8 samples of at most 64 tokens per step, fp32, lr 2e-5, against
     ours at the same batch (--batch_groups=16 --drop_flat=False, the demo's other settings).
-    Samples/s over the steps after the first."""
+    Samples/s and generated tokens/s over the steps after the first."""
     steps = int(args.get("steps", 4))
     subprocess.run([sys.executable, "prepare.py", "smollm2"], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL)
@@ -286,18 +310,24 @@ def trl_baseline():
     trl = json.loads(out.stdout.strip().splitlines()[-1])
     ours = train("smollm", f"--max_steps={steps}", "--batch_groups=16", "--drop_flat=False",
                  "--lr=2e-5", "--borrow_cpus=True", "--eval_n=100")
-    trl_s = mean(trl["trl_step_s"][1:])
-    ours_s = per_sample(ours) * 128
+    ours_step_s = [r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"] for r in ours]
+    ours_len = [r["response_len_mean"] for r in ours]
+    # the answers shorten as the policy learns, at another pace in each: compare tokens/s too
+    rate = lambda lens, secs: 128 * sum(lens[1:]) / sum(secs[1:])  # after the first step
+    trl_s, ours_s = mean(trl["trl_step_s"][1:]), mean(ours_step_s[1:])
+    trl_tok, ours_tok = rate(trl["lengths"], trl["trl_step_s"]), rate(ours_len, ours_step_s)
     print(json.dumps({"trl_step_s": trl["trl_step_s"], "trl_reward": trl["rewards"],
-                      "ours_step_s": [r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"] for r in ours],
-                      "ours_reward": [r["reward_mean"] for r in ours],
+                      "trl_len": trl["lengths"], "ours_step_s": ours_step_s,
+                      "ours_reward": [r["reward_mean"] for r in ours], "ours_len": ours_len,
                       "trl_samples_per_s": 128 / trl_s, "ours_samples_per_s": 128 / ours_s,
-                      "speedup": trl_s / ours_s}))
+                      "speedup": trl_s / ours_s, "trl_tokens_per_s": trl_tok,
+                      "ours_tokens_per_s": ours_tok, "speedup_tokens": ours_tok / trl_tok}))
 
 
 SLOW_GRADER = """import functools, time, reward
 slow = reward.grade_number
-reward.grade_number = functools.wraps(slow)(lambda text, answer: time.sleep(0.05) or slow(text, answer))
+reward.grade_number = functools.wraps(slow)(
+    lambda text, answer: time.sleep(0.05) or slow(text, answer))
 """
 
 
@@ -357,16 +387,20 @@ if __name__ == "__main__":
         in_loop = last["rollout_tokens"] / (last["rollout_engine_s"] + last["rollout_load_s"])
         cfg = json.load(open(os.path.join(ROOT, "out/bench", name, "train_config.json")))
         in_flight = min(cfg["rollout_groups"], (cfg["max_staleness"] + 1) * cfg["batch_groups"])
-        bucketed, raw, nbytes = weight_sync(json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
-                                                                         "train_config.json")))["model"],
-                                            float(args.get("bucket_mb", 64)))
+        bucketed, raw, nbytes = weight_sync(
+            json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
+                                        "train_config.json")))["model"],
+            float(args.get("bucket_mb", 64)))
         r = {"overlap_speedup": per_sample(sync_rows) / per_sample(async_rows),
              "overlap_bound": (t_gen + t_train) / max(t_gen, t_train),
-             "sync_ratio": bucketed / raw, "sync_s": bucketed, "sync_raw_s": raw, "weight_mb": nbytes / 2**20,
+             "sync_ratio": bucketed / raw, "sync_s": bucketed, "sync_raw_s": raw,
+             "weight_mb": nbytes / 2**20,
              "rollout_pause_share": last["rollout_load_s"] / last["rollout_engine_s"],
-             "rollout_efficiency": in_loop / standalone_rollout(name, in_flight), "rollout_tokens_per_s": in_loop,
-             "trainer_idle_share": sum(r["t_wait_s"] for r in steady) / sum(r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"]
-                                                                            for r in steady),
+             "rollout_efficiency": in_loop / standalone_rollout(name, in_flight),
+             "rollout_tokens_per_s": in_loop,
+             "trainer_idle_share": (sum(r["t_wait_s"] for r in steady)
+                                    / sum(r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"]
+                                          for r in steady)),
              "trainer_tokens_per_s": mean([r["train_tokens_per_s"] for r in steady]),
              "t_gen_s": t_gen, "t_train_s": t_train,
              "trainer_rss_mb": last["trainer_rss_mb"], "rollout_rss_mb": last["rollout_rss_mb"]}
@@ -375,4 +409,5 @@ if __name__ == "__main__":
         print(f"\n{name}")
         for k, v in r.items():
             print(f"  {k:22s} {v:.3f}" if isinstance(v, float) else f"  {k:22s} {v}")
-    print(json.dumps(results[name] | {"config": name, "per_config": results}))  # top level: the last (largest) config
+    # top level: the last (largest) config
+    print(json.dumps(results[name] | {"config": name, "per_config": results}))

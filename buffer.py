@@ -1,11 +1,7 @@
 """
-buffer.py: trainer rank 0's end of the rollout side. Buffer: where finished groups wait for the
-trainer. Rollouts: the rollout processes (starts them, reads them, tells them about new weights).
-
-A receiver thread per engine put()s groups; the training loop get()s exactly `batch_groups`,
-discarding on the way stale groups (oldest token more than max_staleness versions old), reported
-through on_discard so the engines admit replacements, and optionally flat groups (one reward for
-every completion: advantages all 0), not reported: their engine replaced them at once.
+buffer.py: trainer rank 0's end of the rollout side. Buffer: finished groups wait there for the
+trainer, which drops stale ones (reported: the engines admit replacements) and optionally flat ones
+(advantages all 0; their engine replaced them). Rollouts: the rollout processes.
 Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission.
 """
 import pickle
@@ -23,18 +19,17 @@ class Stopped(Exception):
 
 class Buffer:
     def __init__(self, max_staleness, drop_flat, on_discard=lambda n: None, timeout_s=0):
-        self.groups, self.cond = [], threading.Condition()
         self.max_staleness, self.drop_flat, self.on_discard = max_staleness, drop_flat, on_discard
         self.timeout_s = timeout_s  # > 0: no group for this long means the producer is stuck
+        self.groups, self.cond, self.error = [], threading.Condition(), None
         self.dropped_stale = self.dropped_flat = 0
-        self.error = None  # the producer is dead: get() raises it
 
     def put(self, group):
         with self.cond:
             self.groups.append(group)
             self.cond.notify()
 
-    def fail(self, message):
+    def fail(self, message):  # the producer is dead: get() raises this
         with self.cond:
             self.error = message
             self.cond.notify()
@@ -56,15 +51,14 @@ class Buffer:
                 waited += time.perf_counter() - t0
                 if self.error is not None:
                     raise RuntimeError(self.error)
-                group = self.groups.pop(0)
-            seen.append(group)
-            if version - group["version_min"] > self.max_staleness:
+                seen.append(g := self.groups.pop(0))
+            if version - g["version_min"] > self.max_staleness:
                 self.dropped_stale += 1
                 self.on_discard(1)
-            elif self.drop_flat and is_flat(group):
+            elif self.drop_flat and is_flat(g):
                 self.dropped_flat += 1
             else:
-                batch.append(group)
+                batch.append(g)
         return batch, seen, waited
 
 
@@ -73,21 +67,17 @@ def is_flat(group):
     return max(rewards) == min(rewards)
 
 
-def worth_a_forward(groups, world_size, keep_flat=False):
-    """Without a KL term a flat group adds nothing to the gradient: skip it, except as filler so
-    that every rank runs as many forward passes (FSDP's collectives need that)."""
-    if keep_flat:
-        return groups
+def worth_a_forward(groups, world_size):
+    """A flat group adds nothing to the gradient: skip it, but as filler so that every rank runs as
+    many forward passes (FSDP's collectives need that)."""
     live, flat = [g for g in groups if not is_flat(g)], [g for g in groups if is_flat(g)]
     n = max(1, -(-len(live) // world_size)) * world_size
     return live + flat[:n - len(live)]
 
 
-def split(groups, world_size):
-    """Rank r gets groups r, r + W, r + 2W, ..."""
+def split(groups, world_size):  # rank r gets groups r, r + W, r + 2W, ...
     if len(groups) % world_size:
-        raise ValueError(f"{len(groups)} groups cannot be split evenly over {world_size} "
-                         "trainer ranks")
+        raise ValueError(f"{len(groups)} groups cannot be split evenly over {world_size} ranks")
     return [groups[r::world_size] for r in range(world_size)]
 
 
@@ -95,43 +85,41 @@ class Rollouts:
     """Trainer rank 0's end of the rollout processes; other ranks only join sync.push."""
 
     def __init__(self, cfg, buckets, device, engine_gpus, ckpt, stop_requested):
-        engines, timeout = cfg["rollout_engines"], cfg["timeout_s"]
-        self.stop_requested = stop_requested
-        self.consumed = set(ckpt.get("done", []))  # prompt positions taken out, and all below next
-        self.next = ckpt.get("next", 0)
+        E, timeout = cfg["rollout_engines"], cfg["timeout_s"]
+        self.stop_requested, self.evals, self.stats = stop_requested, [], {}
+        self.done, self.next = set(ckpt.get("done", [])), ckpt.get("next", 0)  # positions taken
         self.store = sync.open_store(cfg["rollout_host"], cfg["rollout_port"], True, timeout)
         self.store.set("start", pickle.dumps({"version": ckpt.get("version", 0),
-                                              "next": self.next, "done": sorted(self.consumed)}))
-        for e in range(engines):
+                                              "next": self.next, "done": sorted(self.done)}))
+        for e in range(E):  # borrow_cpus
             self.store.set(f"idle{e}", "")
         self.procs = rollout.spawn(cfg, engine_gpus)
-        sync.wait_for(self.store, [f"joined{e}" for e in range(engines)], timeout, self.check_alive)
-        self.ctl, trajs = sync.connect(self.store, 0, engines, timeout)
-        workers = engines * cfg["tensor_parallel_size"]
-        self.sender = sync.Sender(self.store, buckets, cfg, device, workers)
+        sync.wait_for(self.store, [f"joined{e}" for e in range(E)], timeout, self.check_alive)
+        self.ctl, trajs = sync.connect(self.store, 0, E, timeout)
+        self.sender = sync.Sender(self.store, buckets, cfg, device, E * cfg["tensor_parallel_size"])
         # a stale group dropped: the engines may admit a replacement (rollout.take_ticket)
         discard = lambda n: self.store.add("discarded", n)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, timeout)
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
-        self.evals, self.stats = [], {}
         for traj in trajs:
             threading.Thread(target=self.receive, args=(traj,), daemon=True).start()
+
+    def gone(self):  # -> the first rollout process that exited, in words, or None
+        for e, p in enumerate(self.procs):
+            if p.poll() is not None:
+                return f"rollout process {e} (pid {p.pid}) exited with code {p.returncode}"
 
     def check_alive(self):
         if self.stop_requested():
             raise Stopped()
-        for e, p in enumerate(self.procs):
-            if p.poll() is not None:
-                raise RuntimeError(f"rollout process {e} (pid {p.pid}) exited with code "
-                                   f"{p.returncode}; its own error is printed above")
+        if gone := self.gone():
+            raise RuntimeError(f"{gone}; its own error is printed above")
 
-    def receive(self, traj):  # groups and eval results from one engine
+    def receive(self, traj):  # one engine's messages, until it says bye
         try:
             while True:
                 msg = sync.recv_obj(traj, 1)
-                counters = ("reward_failed", "skipped_long")
-                self.stats[msg["engine"]] = {k: v for k, v in msg.items()
-                                             if k.startswith("rollout_") or k in counters}
+                self.stats[msg["engine"]] = {k: msg[k] for k in rollout.COUNTERS}
                 if msg["kind"] == "group":
                     self.buffer.put(msg)
                 elif msg["kind"] == "eval":
@@ -141,19 +129,18 @@ class Rollouts:
         except Exception as e:
             self.buffer.fail(f"lost a rollout process: {e}")
 
-    def idle(self, version):
-        """Every engine waits for the weights after `version`, with nothing to do (rollout.py)."""
-        marks = [self.store.get(f"idle{e}").decode() for e in range(len(self.procs))]
-        return all(m == str(version) for m in marks)
+    def idle(self, version):  # borrow_cpus: every engine waits for the weights after `version`
+        mark = str(version).encode()
+        return all(self.store.get(f"idle{e}") == mark for e in range(len(self.procs)))
 
     def consume(self, groups):
-        self.consumed.update(g["pos"] for g in groups)
+        self.done.update(g["pos"] for g in groups)
 
     def resume_state(self):
-        while self.next in self.consumed:
-            self.consumed.remove(self.next)
+        while self.next in self.done:  # every position below next is taken
+            self.done.remove(self.next)
             self.next += 1
-        return {"next": self.next, "done": sorted(self.consumed),
+        return {"next": self.next, "done": sorted(self.done),
                 "dropped": [self.buffer.dropped_stale, self.buffer.dropped_flat]}
 
     def rollout_stats(self):  # summed over engines (rss: the largest)
@@ -171,13 +158,11 @@ class Rollouts:
 
     def explain(self, error, step):
         """If a rollout process died, say which and how; -> whether one did."""
-        time.sleep(1)
-        dead = [(e, p) for e, p in enumerate(self.procs) if p.poll() is not None]
-        for e, p in dead[:1]:
-            print(f"error: rollout process {e} (pid {p.pid}) exited with code {p.returncode}, so "
-                  f"training stopped at step {step} ({type(error).__name__}: {str(error)[:200]}); "
-                  "its own error, if any, is printed above", file=sys.stderr)
-        return bool(dead)
+        time.sleep(1)  # a dying process may not have exited yet
+        if gone := self.gone():
+            print(f"error: {gone}, so training stopped at step {step} ({type(error).__name__}: "
+                  f"{str(error)[:200]}); its own error, if any, is printed above", file=sys.stderr)
+        return bool(gone)
 
     def stop(self, version, timeout_s):
         sync.send_header(self.ctl, version, stop=True)
@@ -186,6 +171,5 @@ class Rollouts:
 
     def kill(self):
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.kill()  # a no-op once it exited
+            p.wait()

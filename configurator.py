@@ -1,8 +1,6 @@
-"""
-configurator.py: train.py's config. Config files (bare assignments, config/*.py) and --key=value
-override train.py's defaults, in order: only its keys, with their default's type. check() validates
-the rest. A mistake stops the run before anything starts, and says the fix.
-"""
+"""configurator.py: train.py's config. Config files (bare assignments, config/*.py), then
+--key=value override train.py's defaults: only its keys, with their default's type; check()
+validates the rest. A mistake stops the run before anything starts, and says the fix."""
 import ast
 import difflib
 import json
@@ -18,8 +16,7 @@ def die(msg):
 
 def _typed(cfg, key, value, origin):
     if key not in cfg:
-        near = difflib.get_close_matches(key, cfg, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
+        hint = "".join(f"; did you mean {k!r}?" for k in difflib.get_close_matches(key, cfg, n=1))
         die(f"unknown config key {key!r} in {origin}{hint}")
     want, got = type(cfg[key]), type(value)
     if want is float and got is int:
@@ -35,7 +32,7 @@ def apply(scope, argv):
     for arg in argv:
         if not arg.startswith("--"):
             if not os.path.isfile(arg):
-                die(f"config file {arg!r} not found (see config/, e.g. config/tiny.py)")
+                die(f"config file {arg!r} not found (see config/)")
             for key, value in runpy.run_path(arg).items():
                 if not key.startswith("__"):
                     cfg[key] = _typed(cfg, key, value, arg)
@@ -56,7 +53,7 @@ def apply(scope, argv):
 
 def resolve_model(name):
     """A local model folder, or a Hugging Face hub id (downloaded once) -> a local folder."""
-    make = "`python prepare.py tiny|smollm2` makes an offline model"
+    make = "`python prepare.py tiny|smollm2` makes one offline"
     if os.path.isdir(name):
         if not os.path.isfile(f"{name}/config.json"):
             die(f"model folder {name!r} has no config.json ({make})")
@@ -67,8 +64,8 @@ def resolve_model(name):
         return snapshot_download(name, allow_patterns=files)
     except Exception as e:
         die(f"model {name!r} is not a local model folder and could not be loaded from the hub "
-            f"({type(e).__name__}). Offline? `hf download {name} --local-dir data/NAME` elsewhere, "
-            f"then --model=data/NAME; or {make}")
+            f"({type(e).__name__}): `hf download {name} --local-dir DIR` elsewhere and use "
+            f"--model=DIR, or {make}")
 
 
 def check(cfg, world):
@@ -92,7 +89,7 @@ def check(cfg, world):
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or archs and not any(
             a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         die(f"model {cfg['model']!r} is a {'/'.join(archs) or kind!r} model, not a causal language "
-            "model: use a decoder-only LM (one AutoModelForCausalLM loads)")
+            "model: use a decoder-only LM")
     try:  # the rollout processes load the task too; its errors are clearer here
         reward.load_task(cfg)
     except (OSError, ValueError, KeyError) as e:

@@ -103,22 +103,26 @@ def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
     return chunks
 
 
+def padded(rows, device, left=False):  # -> ids, mask [len(rows), longest]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        span = slice(ids.shape[1] - len(r), None) if left else slice(0, len(r))
+        ids[i, span], mask[i, span] = torch.tensor(r, dtype=torch.long), 1
+    return ids.to(device), mask.to(device)
+
+
 def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
     """-> logp, mask [completions, longest], (positions computed, real). Each prompt runs once,
     left-padded; its KV cache serves its completions, run right-padded in chunks of similar length
     (one long answer would otherwise widen every row)."""
     n = len(groups[0]["completions"])
-    prompts = [g["prompt_ids"] for g in groups]
     comps = [c["ids"] for g in groups for c in g["completions"]]
-    P, T = max(map(len, prompts)), max(max(map(len, comps)), 2)
-    pids, cids = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(comps), T).long()
-    pmask, cmask = torch.zeros_like(pids), torch.zeros_like(cids)
-    for i, p in enumerate(prompts):
-        pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
-    for i, c in enumerate(comps):
-        cids[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), 1
-    pids, pmask, cids, cmask = pids.to(device), pmask.to(device), cids.to(device), cmask.to(device)
-    with scoring(net, cids[:, :1].reshape(len(prompts), 1, n), temperature):  # every first token
+    pids, pmask = padded([g["prompt_ids"] for g in groups], device, left=True)
+    cids, cmask = padded(comps + [[0, 0]], device)
+    cids, cmask = cids[:-1], cmask[:-1]  # at least 2 wide
+    T = cids.shape[1]
+    with scoring(net, cids[:, :1].reshape(len(groups), 1, n), temperature):  # every first token
         out = net(input_ids=pids, attention_mask=pmask, use_cache=True, logits_to_keep=1,
                   position_ids=(pmask.cumsum(1) - 1).clamp(min=0))
     first = out.logits.reshape(len(comps), 1)
@@ -162,7 +166,7 @@ def overlong_rewards(rewards, lengths, cut, max_new_tokens, mode, buffer):
 
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="truncate", low=0.0,
-              high=3.0, tighten=0.0, ref_logp=None, kl_coef=0.0):
+              high=3.0, tighten=0.0):
     """logp, behav, mask, age [B, T]; adv [B]; n_tokens: the whole batch's, so micro-batches and
     ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
@@ -179,9 +183,6 @@ def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="t
         bounded = (log_rho > log_hi) | (log_rho < log_lo)
         w = torch.exp(log_rho) * ~bounded
     per_tok = -adv.unsqueeze(1) * w * torch.exp(logp - logp.detach())  # value -A w, grad -A w dlogp
-    if kl_coef > 0:  # k3 estimator of KL(pi_theta || pi_ref): unbiased and >= 0
-        d = ref_logp - logp
-        per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
     return (per_tok * mask).sum() / n_tokens, bounded & (mask > 0)
 
 

@@ -1,10 +1,6 @@
-"""
-metrics.py: train.py's metrics.jsonl (a row per step and per eval), console lines and curves.png.
-Worth watching: reward_mean, eval_accuracy (learning); logprob_mismatch (trainer vs vLLM logprobs of
-fresh tokens, ~1e-6 in fp32: a jump means a bad weight sync); staleness_mean/max, bounded_frac_stale
-(truncated or masked importance weights: how off-policy); t_wait_s, t_train_s, t_sync_s (where the
-trainer's time goes).
-"""
+"""metrics.py: metrics.jsonl (a row per step and per eval), console lines and curves.png
+(`python metrics.py OUT_DIR` redraws it). README lists the keys worth watching; logprob_mismatch
+(trainer vs vLLM logprobs of fresh tokens) is ~1e-6 in fp32: a jump means a bad weight sync."""
 import json
 import os
 import sys
@@ -20,39 +16,37 @@ def token_sums(loss, bounded, logp, behav, mask, fresh, positions):
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
     shift = (logp.detach() - behav).abs()  # |log rho|
     parts = (loss.detach(), bounded & fresh, fresh, bounded & stale, stale, shift * fresh,
-             shift * stale, *(torch.tensor(float(p), device=logp.device) for p in positions))
-    return torch.stack([x.float().sum() for x in parts]).to(logp.device)
+             shift * stale, *torch.tensor(positions, device=logp.device))
+    return torch.stack([x.float().sum() for x in parts])
 
 
 def mean(xs):
     return sum(xs) / len(xs)
 
 
-def ratio(a, b):
-    return a / b if b else None  # None: no such tokens this step
-
-
 def step_row(step, groups, seen, s, engines, **extra):
-    """groups: the trained batch; seen: all groups taken from the buffer, flat ones too;
-    s: {name in SUMS: float}; extra: more keys, as given."""
+    """groups: the trained batch; seen: all groups taken from the buffer; s: {SUMS name: float}."""
     import buffer
-    comps = [c for g in groups for c in g["completions"]]
-    stale = [step - min(c["versions"], default=step) for c in comps]
+    cs = [c for g in groups for c in g["completions"]]
+    stale = [step - min(c["versions"], default=step) for c in cs]
+    s = dict(s, tokens=s["fresh"] + s["stale"])
+
+    def ratio(a, b):
+        return s[a] / s[b] if s[b] else None  # None: no such tokens this step
     return {
         "step": step, "version": step + 1,
         "reward_mean": mean([c["reward"] for g in seen for c in g["completions"]]),
-        "response_len_mean": mean([len(c["ids"]) for c in comps]),
+        "response_len_mean": mean([len(c["ids"]) for c in cs]),
         "staleness_mean": mean(stale), "staleness_max": max(stale),
-        "mixed_version_frac": mean([len(set(c["versions"])) > 1 for c in comps]),
+        "mixed_version_frac": mean([len(set(c["versions"])) > 1 for c in cs]),
         "flat_frac": mean([buffer.is_flat(g) for g in groups]),
         "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(engines)],
-        "loss": s["loss"], "logprob_mismatch": ratio(s["shift_fresh"], s["fresh"]),
-        "logprob_shift_stale": ratio(s["shift_stale"], s["stale"]),
-        "bounded_frac_fresh": ratio(s["bounded_fresh"], s["fresh"]),
-        "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
-        "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
-        "stale_token_frac": ratio(s["stale"], s["fresh"] + s["stale"]),
-        "pad_frac": 1 - s["real"] / s["computed"],
+        "loss": s["loss"], "logprob_mismatch": ratio("shift_fresh", "fresh"),
+        "logprob_shift_stale": ratio("shift_stale", "stale"),
+        "bounded_frac_fresh": ratio("bounded_fresh", "fresh"),
+        "bounded_frac_stale": ratio("bounded_stale", "stale"),
+        "cut_frac": mean([c["cut"] for c in cs]),  # cut at max_new_tokens
+        "stale_token_frac": ratio("stale", "tokens"), "pad_frac": 1 - s["real"] / s["computed"],
         "prompts": sorted(g["pos"] for g in groups), **extra}
 
 
@@ -70,19 +64,15 @@ def eval_row(e, t_start):
 
 
 def reopen(path, start):
-    """A resumed run keeps the lines that led up to its checkpoint. Line-buffered: a crash loses
-    nothing written."""
-    kept = []
-    if start and os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] < start]
+    """A resumed run keeps the lines before its checkpoint. Line-buffered: a crash loses nothing."""
+    kept = open(path).readlines() if start and os.path.exists(path) else []
     f = open(path, "w", buffering=1)
-    f.writelines(kept)
+    f.writelines(line for line in kept if json.loads(line)["step"] < start)
     return f
 
 
 class Log:
-    """Rank 0's metrics.jsonl, samples.jsonl (a few completions a step, to read what the model
-    writes), and Weights & Biases when wandb_log is set."""
+    """Rank 0's metrics.jsonl, samples.jsonl (a few completions a step) and wandb (wandb_log)."""
 
     def __init__(self, cfg, start, t_start):
         self.t_start, self.wandb, out = t_start, None, cfg["out_dir"]
@@ -125,31 +115,27 @@ class Log:
 
 
 def plot(run_dir):
-    """{run_dir}/curves.png: reward and held-out accuracy against samples and time, and where the
-    trainer's time went. `python metrics.py OUT_DIR` redraws it."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """{run_dir}/curves.png: reward and eval accuracy by samples and time; the trainer's time."""
+    from matplotlib.figure import Figure
     rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_accuracy" in r]
-    by_version = {r["version"]: r for r in steps}
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    at = {r["version"]: r for r in steps}
+    fig = Figure(figsize=(15, 4), layout="tight")
+    ax = fig.subplots(1, 3)
     for a, x, label in zip(ax, ("samples", "elapsed_s"), ("trained samples", "wall-clock (s)")):
         a.plot([r[x] for r in steps], [r["reward_mean"] for r in steps], label="train reward")
         # an eval row has no sample count: take its version's step row's (0 before the first step)
-        ex = [e.get(x, by_version.get(e["version"], {}).get(x, 0)) for e in evals]
+        ex = [e.get(x, at.get(e["version"], {}).get(x, 0)) for e in evals]
         a.plot(ex, [e["eval_accuracy"] for e in evals], "o-", label="held-out accuracy (greedy)")
         a.set(xlabel=label, ylim=(0, 1))
-    bottom = [0.0] * len(steps)
-    for key in ("t_wait_s", "t_train_s", "t_sync_s"):
-        t = [r[key] for r in steps]
-        ax[2].bar([r["step"] for r in steps], t, bottom=bottom, label=key[2:-2])
-        bottom = [b + x for b, x in zip(bottom, t)]
+    keys = ("t_wait_s", "t_train_s", "t_sync_s")
+    for i, key in enumerate(keys):  # stacked
+        ax[2].bar([r["step"] for r in steps], [r[key] for r in steps], label=key[2:-2],
+                  bottom=[sum(r[k] for k in keys[:i]) for r in steps])
     ax[2].set(xlabel="step", ylabel="trainer seconds")
     for a in ax:
         a.legend()
     fig.suptitle(run_dir)
-    fig.tight_layout()
     fig.savefig(f"{run_dir}/curves.png", dpi=80)
     return f"{run_dir}/curves.png"
 

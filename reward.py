@@ -1,14 +1,9 @@
-"""
-reward.py: the tasks (problems with a reference answer) and the graders that score completions.
-
-A task: train and held-out eval lists of {"id", "prompt", "answer"}.
-  arithmetic  "What is a + b?" from the seed, graded by the last number (or the \\boxed{} content).
-  gsm8k       a jsonl file of {"question", "answer"} ("#### 42" understood) or a hub dataset id;
-              prompts end with `instruction` (the final answer in \\boxed{}); graded by math-verify.
-Grading runs in processes beside the engine loop (Graders): decoding never waits on a parser. A
-grade past its time limit is killed with its process (sympy can spin in C, where no signal reaches);
-it and any grader error score 0 and are counted. Simplification: reward 1 or 0, no format reward.
-"""
+"""reward.py: the tasks (train and eval lists of {"id", "prompt", "answer"}) and their graders.
+arithmetic: "What is a + b?" from the seed, graded by the last number (or the \\boxed{} content).
+gsm8k: a jsonl file ("#### 42" understood) or hub dataset, prompts ending with `instruction`, graded
+by math-verify. Graders run in processes beside the engine loop; a grade past its time limit is
+killed with its process (sympy can spin in C, where no signal reaches); it and grader errors score 0
+and are counted. Simplification: reward 1 or 0, no format reward."""
 import ctypes
 import json
 import multiprocessing
@@ -27,9 +22,9 @@ def arithmetic(seed, n_eval, max_operand=30):
     random.Random(seed).shuffle(pairs)
     if n_eval >= len(pairs):
         raise ValueError(f"eval_n={n_eval} leaves none of the {len(pairs)} problems: lower eval_n")
-    make = lambda i, ab: {"id": i, "prompt": f"What is {ab[0]} + {ab[1]}?", "answer": str(sum(ab))}
-    return [make(i, ab) for i, ab in enumerate(pairs[n_eval:])], \
-        [make(i, ab) for i, ab in enumerate(pairs[:n_eval])]
+    make = lambda rows: [{"id": i, "prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+                         for i, (a, b) in enumerate(rows)]
+    return make(pairs[n_eval:]), make(pairs[:n_eval])
 
 
 def read_jsonl(path):
@@ -40,30 +35,28 @@ def read_jsonl(path):
                 row = json.loads(line)
                 rows.append({"question": row["question"], "answer": row["answer"]})
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: expected a JSON object with 'question' and 'answer' "
-                             f"({e!r})")
+            raise ValueError(f"{path}:{n}: expected a JSON object with question and answer ({e!r})")
     return rows
 
 
 def gsm8k(data_path, eval_path, seed, n_eval, instruction=""):
     for key, path in (("data_path", data_path), ("eval_path", eval_path)):
         if path and (path.endswith(".jsonl") or os.sep in path) and not os.path.isfile(path):
-            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file of "
-                             "{question, answer} lines")
+            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file")
     if not data_path:
         raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id, online)")
     if os.path.isfile(data_path):
         train, test = read_jsonl(data_path), read_jsonl(eval_path) if eval_path else None
-    else:  # a hub dataset id (openai/gsm8k): online, or already in the datasets cache
+    else:  # a hub dataset id (openai/gsm8k): online, or cached
         try:
             import datasets
             ds = datasets.load_dataset(data_path, "main")
         except Exception as e:
-            raise ValueError(f"data_path {data_path!r} is neither a file nor a hub dataset that "
-                             f"loads ({type(e).__name__}: {str(e)[:150]}). Offline? Point "
-                             "--data_path= at a jsonl file of {question, answer} lines") from None
+            why = f"{type(e).__name__}: {str(e)[:150]}"
+            raise ValueError(f"data_path {data_path!r} is not a file nor a hub dataset that loads "
+                             f"({why}); offline? point --data_path= at a jsonl file") from None
         train, test = list(ds["train"]), list(ds["test"])
-    if test is None:  # no eval file: hold out the last n_eval problems of a seeded shuffle
+    if test is None:  # no eval file: hold out n_eval problems, seeded
         random.Random(seed).shuffle(train)
         train, test = train[:-n_eval], train[-n_eval:]
     make = lambda rows: [{"id": i, "prompt": (r["question"] + " " + instruction).strip(),
@@ -96,7 +89,9 @@ def grade_number(text, answer):
 
 
 def grade_math(text, answer):
+    import logging
     import math_verify  # its own timers use SIGALRM; off: the time limit is the Graders' kill
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": it is ours
     gold = math_verify.parse(answer, parsing_timeout=None)
     return float(math_verify.verify(gold, math_verify.parse(text, parsing_timeout=None),
                                     timeout_seconds=None))
@@ -131,9 +126,8 @@ class Graders:
     def __init__(self, grade, workers=2, timeout_s=5.0):
         self.grade, self.timeout_s, self.workers = grade, timeout_s, workers
         self.ctx = multiprocessing.get_context("spawn")  # the engine's process has threads: no fork
-        self.idle, self.busy, self.queue, self.done = [], {}, deque(), []
-        for _ in range(workers):
-            self.idle.append(self.start())
+        self.busy, self.queue, self.done = {}, deque(), []
+        self.idle = [self.start() for _ in range(workers)]
 
     def start(self):
         conn, theirs = self.ctx.Pipe()

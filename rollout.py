@@ -1,18 +1,10 @@
 """
-rollout.py: generation. Trainer rank 0 starts one process per vLLM engine (spawn()) on its own GPUs
-(colocate: the trainer's). It never waits for the trainer: between two engine steps it
-  1. loads new weights once announced (sync.load); requests in flight go on with them, and each
-     token is tagged with the version that computed it (async_scheduling off: a step() returns
-     the tokens computed in it);
-  2. admits prompt groups while the staleness bound allows (take_ticket: one budget, all engines);
-  3. hands finished answers to grader processes (reward.Graders) and sends each graded group to the
-     trainer, with the logprobs of the distribution actually sampled (processed_logprobs).
-Engine 0 runs the greedy held-out eval every eval_every versions; a load waits for it (an eval sees
-one version). Prompts are an endless stream: position k is problem perm_e[k mod N], perm_e a seeded
-shuffle for epoch e = k // N; a checkpoint lists the positions trained.
-Simplifications: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); a group is
-n=1 requests sharing their prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated
-distribution). SIGINT/SIGTERM are ignored: trainer rank 0 stops us.
+rollout.py: one process per vLLM engine, stepped by hand, never waiting for the trainer: between two
+engine steps it loads announced weights (requests in flight go on; each token is tagged with the
+version that computed it), admits groups under the staleness bound, hands answers to grader
+processes and sends graded groups to trainer rank 0. Engine 0 also runs the greedy eval.
+Simplifications: the engine core runs in this process; a group is n=1 requests sharing their
+prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated distribution).
 """
 import ctypes
 import json
@@ -31,18 +23,18 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat by the dozen
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                "OMP_NUM_THREADS")
+TORCHRUN_ENV = ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK "
+                "ROLE_RANK ROLE_WORLD_SIZE GROUP_WORLD_SIZE OMP_NUM_THREADS").split()
+COUNTERS = ("reward_failed skipped_long rollout_tokens rollout_engine_s rollout_load_s "
+            "rollout_grade_s rollout_rss_mb").split()  # cumulative, sent with every message
 
 
 def place(cfg, world, local_world, device, master):
-    """-> (each engine's GPUs, after the trainer ranks' on node 0; the cores a lone CPU trainer
-    rank may borrow while the engines idle). ValueError with the fix."""
+    """-> (each engine's GPUs, after node 0's trainer ranks; cores a lone CPU rank may borrow)."""
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
     if device.type == "cpu":
         cores = cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
-        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0
+        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0  # borrow_cpus
         if cores and not borrow:
             os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
         return [[] for _ in range(E)], borrow
@@ -74,9 +66,8 @@ def spawn(cfg, engine_gpus):
     """One rollout process per engine; they must not take themselves for torchrun ranks."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # vLLM workers import sync
-    if cfg["rollout_cpus"]:
-        env.update(VLLM_CPU_OMP_THREADS_BIND=cfg["rollout_cpus"],
-                   OMP_NUM_THREADS=str(len(cpus(cfg["rollout_cpus"]))))
+    if spec := cfg["rollout_cpus"]:
+        env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(cpus(spec))))
     procs = []
     for e, gpus in enumerate(engine_gpus):
         if gpus:
@@ -94,12 +85,13 @@ def format_prompt(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def make_llm(cfg, device, **extra):  # the engine, as here and in bench.py
+def make_llm(cfg, device, **extra):  # the engine, here and in bench.py
     from vllm import LLM
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
-    # prefix caching shares whole blocks: at the CPU default of 128 tokens a group's samples would
-    # each recompute their prompt. async_scheduling=False: step() returns the tokens computed in it
+    # async_scheduling off: step() returns the tokens computed in it. processed_logprobs: those of
+    # the distribution actually sampled. Prefix caching shares whole blocks: at the CPU default of
+    # 128 tokens a group's samples would each recompute their prompt
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"],
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
                gpu_memory_utilization=cfg["gpu_memory_utilization"], async_scheduling=False,
@@ -108,10 +100,10 @@ def make_llm(cfg, device, **extra):  # the engine, as here and in bench.py
 
 
 def take_ticket(store, version, v0, cfg):
-    """The staleness bound, one budget for all engines, in the trainer's store. Batch k is trained
-    at version k, so a group admitted at version v is at most max_staleness old when trained iff
-    fewer than (v - v0 + max_staleness + 1) * batch_groups groups were admitted since the run began
-    at v0, not counting discarded ones (flat: counted by engines; stale: by the trainer)."""
+    """The staleness bound, one budget for all engines. Batch k is trained at version k, so a group
+    admitted at version v is at most max_staleness old when trained iff fewer than (v - v0 +
+    max_staleness + 1) * batch_groups were admitted since the run began at v0, not counting
+    discarded ones (flat: counted by engines; stale: by the trainer)."""
     allowed = (version - v0 + cfg["max_staleness"] + 1) * cfg["batch_groups"]
     if store.add("admitted", 1) <= allowed + store.add("flat", 0) + store.add("discarded", 0):
         return True
@@ -119,26 +111,15 @@ def take_ticket(store, version, v0, cfg):
     return False
 
 
-def receive(ctl, inbox):
-    """Thread: the trainer's headers into the loop's inbox; an error too, so the loop exits."""
-    import sync
-    try:
-        while not (msg := sync.recv_header(ctl))[2]:
-            inbox.put(msg)
-        inbox.put(msg)
-    except Exception as e:
-        inbox.put(e)
-
-
 class Rollout:
-    """One engine's loop, and what it keeps between two engine steps."""
+    """One engine's loop and its state between two engine steps."""
 
     def __init__(self, cfg, e):
         import reward
         import sync
         import torch
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind as Kind
         self.cfg, self.e, self.parent = cfg, e, os.getppid()
         self.llm = make_llm(cfg, "cuda" if torch.cuda.is_available() else "cpu")
         self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
@@ -151,37 +132,29 @@ class Rollout:
         self.store.set(f"joined{e}", "1")
         self.ctl, self.traj = sync.connect(self.store, 1 + e, E, cfg["timeout_s"])
         self.llm.collective_rpc(sync.join, args=(host, port, 1 + e * tp, 1 + E * tp, cfg))
-        start = pickle.loads(self.store.get("start"))  # the run's first version, stream position
+        start = pickle.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]
         self.sample = SamplingParams(n=1, temperature=cfg["temperature"], logprobs=0,
-                                     max_tokens=cfg["max_new_tokens"],
-                                     output_kind=RequestOutputKind.DELTA)
+                                     max_tokens=cfg["max_new_tokens"], output_kind=Kind.DELTA)
         self.greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg["max_new_tokens"],
-                                     output_kind=RequestOutputKind.FINAL_ONLY)
+                                     output_kind=Kind.FINAL_ONLY)
         self.groups, self.evals, self.encoded, self.perm = {}, {}, {}, {}
-        self.pending, self.retry_at, self.idle, self.n_groups = None, 0.0, "", 0
-        self.eval_correct = 0
-        # cumulative, sent with every message: failures, and where this engine's time goes
-        self.counters = {k: 0 for k in ("reward_failed", "skipped_long", "rollout_tokens",
-                                        "rollout_engine_s", "rollout_load_s", "rollout_grade_s",
-                                        "rollout_rss_mb")}
+        self.pending, self.retry_at, self.n_groups, self.eval_correct = None, 0.0, 0, 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.idle = ""  # borrow_cpus: our mark in the store (mark_idle)
         self.inbox = queue.Queue()
-        threading.Thread(target=receive, args=(self.ctl, self.inbox), daemon=True).start()
+        threading.Thread(target=self.receive, daemon=True).start()
 
-    def encode(self, problem):  # -> token ids, or None when the prompt leaves no room to answer
-        if problem["prompt"] not in self.encoded:
-            ids = list(format_prompt(self.tok, problem["prompt"]))
-            fits = len(ids) <= self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
-            self.encoded[problem["prompt"]] = ids if fits else None
-        return self.encoded[problem["prompt"]]
-
-    def problem(self, k):  # stream position k
-        epoch, i = divmod(k, len(self.train_set))
-        if epoch not in self.perm:
-            n = len(self.train_set)
-            self.perm = {epoch: random.Random(f"{self.cfg['seed']}/{epoch}").sample(range(n), n)}
-        return self.train_set[self.perm[epoch][i]]
+    def receive(self):
+        """Thread: the trainer's headers into the inbox; an error too, so that the loop exits."""
+        import sync
+        try:
+            while not (msg := sync.recv_header(self.ctl))[2]:
+                self.inbox.put(msg)
+            self.inbox.put(msg)
+        except Exception as e:
+            self.inbox.put(e)
 
     def messages(self):
         """Take what the trainer sent; block briefly only if there is nothing to do. False: stop."""
@@ -189,10 +162,9 @@ class Rollout:
         wait = 0.005 if self.graders.busy else 0.05  # grades due: neither spin nor oversleep
         while True:
             try:
-                msg = self.inbox.get(timeout=wait) if block else self.inbox.get_nowait()
+                msg = self.inbox.get(block, wait)
             except queue.Empty:
                 return True
-            block = False
             if isinstance(msg, Exception):
                 raise RuntimeError(f"lost the trainer: {msg}")
             version, has_weights, stop = msg
@@ -200,9 +172,25 @@ class Rollout:
                 return False
             if has_weights:
                 self.pending = version
+            block = False
+
+    def encode(self, problem):  # -> token ids, or None when the prompt leaves no room to answer
+        if (text := problem["prompt"]) not in self.encoded:
+            ids = list(format_prompt(self.tok, text))
+            fits = len(ids) <= self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
+            self.encoded[text] = ids if fits else None
+        return self.encoded[text]
+
+    def add(self, rid, ids, params):  # the salt: no prefix-cache hit on an older version's KV
+        self.engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"},
+                                params)
+
+    def post(self, msg):
+        import sync
+        sync.send_obj(self.traj, {**msg, "engine": self.e, **self.counters}, 0)
 
     def load(self):
-        """Every worker receives the new weights itself; requests in flight go on with them."""
+        """Every vLLM worker receives the new weights itself (sync.load)."""
         import sync
         t0 = time.perf_counter()
         self.llm.collective_rpc(sync.load)
@@ -213,13 +201,33 @@ class Rollout:
         if self.e == 0 and every and (v % every == 0 or v == self.cfg["max_steps"]):
             self.start_eval()
 
-    def start_eval(self):
+    def start_eval(self):  # the next load waits for it: an eval sees one version
         for p in self.eval_set:
             if (ids := self.encode(p)) is not None:
-                self.evals[f"eval-{self.version}-{p['id']}"] = p
-                self.engine.add_request(f"eval-{self.version}-{p['id']}", {
-                    "prompt_token_ids": ids, "cache_salt": f"v{self.version}"}, self.greedy)
+                rid = f"eval-{self.version}-{p['id']}"
+                self.evals[rid] = p
+                self.add(rid, ids, self.greedy)
         self.eval_n = len(self.evals)
+
+    def next_prompt(self):
+        """-> (k, problem, ids) for the next stream position k not trained yet whose prompt fits.
+        Position k is problem perm[k mod N], perm a seeded shuffle for epoch k // N."""
+        N = len(self.train_set)
+        while True:
+            k = self.first + self.store.add("pos", 1) - 1
+            if k in self.done:
+                continue
+            epoch, i = divmod(k, N)
+            if epoch not in self.perm:
+                rng = random.Random(f"{self.cfg['seed']}/{epoch}")
+                self.perm = {epoch: rng.sample(range(N), N)}
+            problem = self.train_set[self.perm[epoch][i]]
+            if (ids := self.encode(problem)) is not None:
+                return k, problem, ids
+            self.counters["skipped_long"] += 1
+            if self.counters["skipped_long"] >= N and not any(map(self.encode, self.train_set)):
+                raise ValueError("no training prompt fits in max_model_len - max_new_tokens: "
+                                 "raise max_model_len or lower max_new_tokens")
 
     def admit(self):
         """Start new groups while the shared staleness budget allows."""
@@ -229,26 +237,14 @@ class Rollout:
             if not take_ticket(self.store, self.version, self.v0, self.cfg):
                 self.retry_at = time.monotonic() + 0.01  # the budget grows with a load or a discard
                 return
-            ids = None
-            while ids is None:
-                k = self.first + self.store.add("pos", 1) - 1
-                if k in self.done:
-                    continue
-                problem = self.problem(k)
-                if (ids := self.encode(problem)) is None:
-                    self.counters["skipped_long"] += 1
-                    if self.counters["skipped_long"] >= len(self.train_set) and not any(
-                            map(self.encode, self.train_set)):
-                        raise ValueError("no training prompt fits in max_model_len - max_new_"
-                                         "tokens: raise max_model_len or lower max_new_tokens")
+            k, problem, ids = self.next_prompt()
             gid, n = f"g{self.n_groups}", self.cfg["group_size"]
             self.n_groups += 1
             self.groups[gid] = {"pos": k, "problem": problem, "left": 2 * n,  # to finish, to grade
                                 "comps": [{"ids": [], "logprobs": [], "versions": [], "text": ""}
                                           for _ in range(n)]}
-            prompt = {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"}
             for i in range(n):
-                self.engine.add_request(f"{gid}/{i}", prompt, self.sample)
+                self.add(f"{gid}/{i}", ids, self.sample)
 
     def step(self):
         """One engine step; each new token is tagged with the version loaded now."""
@@ -258,8 +254,9 @@ class Rollout:
                 if out.finished:
                     self.graders.submit(rid, o.text, self.evals[rid]["answer"])
                 continue
-            g = self.groups[rid.rsplit("/", 1)[0]]
-            c = g["comps"][int(rid.rsplit("/", 1)[1])]
+            gid, i = rid.rsplit("/", 1)
+            g = self.groups[gid]
+            c = g["comps"][int(i)]
             c["ids"] += o.token_ids
             c["logprobs"] += [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]
             c["versions"] += [self.version] * len(o.token_ids)
@@ -271,29 +268,27 @@ class Rollout:
 
     def grades(self):
         """Rewards from the graders; a group whose answers are all graded goes to the trainer."""
-        import sync
         for rid, r, failed in self.graders.poll():
             self.counters["reward_failed"] += failed
             if rid in self.evals:
                 self.evals.pop(rid)
                 self.eval_correct += r == 1
                 if not self.evals:
-                    sync.send_obj(self.traj, {
-                        "kind": "eval", "version": self.version, "engine": self.e, **self.counters,
-                        "eval_n": self.eval_n, "eval_accuracy": self.eval_correct / self.eval_n}, 0)
+                    self.post({"kind": "eval", "version": self.version, "eval_n": self.eval_n,
+                               "eval_accuracy": self.eval_correct / self.eval_n})
                     self.eval_correct = 0
                 continue
             gid, i = rid.rsplit("/", 1)
-            self.groups[gid]["comps"][int(i)]["reward"] = r
-            self.groups[gid]["left"] -= 1
-            if not self.groups[gid]["left"]:
+            g = self.groups[gid]
+            g["comps"][int(i)]["reward"] = r
+            g["left"] -= 1
+            if not g["left"]:
                 self.send(self.groups.pop(gid))
 
     def send(self, g):
-        import sync
         from buffer import is_flat
         versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
-        msg = {"kind": "group", "pos": g["pos"], "prompt": g["problem"]["prompt"], "engine": self.e,
+        msg = {"kind": "group", "pos": g["pos"], "prompt": g["problem"]["prompt"],
                "prompt_ids": self.encode(g["problem"]), "completions": g["comps"],
                "version_min": min(versions), "version_max": max(versions)}
         if self.cfg["drop_flat"] and is_flat(msg):  # the trainer will skip it: replace it now
@@ -301,11 +296,11 @@ class Rollout:
         self.counters["rollout_tokens"] += sum(len(c["ids"]) for c in g["comps"])
         self.counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.mark_idle()  # before the trainer can see this group and look
-        sync.send_obj(self.traj, {**msg, **self.counters}, 0)
+        self.post(msg)
 
     def mark_idle(self):
-        """Store key idle{e} = the version this engine waits on with nothing to do (at the bound,
-        no request, grade or load): a lone CPU trainer rank then borrows its cores (train.py)."""
+        """borrow_cpus: store key idle{e} = the version this engine waits on with nothing to do
+        (at the bound, no request, grade or load), so a lone CPU trainer rank borrows its cores."""
         busy = self.groups or self.evals or self.pending is not None or not self.retry_at
         mark = "" if busy else str(self.version)
         if mark != self.idle:
@@ -313,12 +308,11 @@ class Rollout:
             self.idle = mark
 
     def run(self):
-        import sync
         if self.v0 > 0:  # resumed: the checkpointed weights come before any generation
             while self.pending is None:
                 self.messages()
             self.load()
-        if self.e == 0 and self.cfg["eval_every"] > 0:
+        if self.e == 0 and self.cfg["eval_every"] > 0 and not self.evals:  # load() may have
             self.start_eval()
         while self.messages():
             if os.getppid() != self.parent:
@@ -335,7 +329,7 @@ class Rollout:
             self.grades()
             self.counters["rollout_grade_s"] += time.perf_counter() - t0
         self.graders.close()
-        sync.send_obj(self.traj, {"kind": "bye", "engine": self.e, **self.counters}, 0)
+        self.post({"kind": "bye"})
 
 
 if __name__ == "__main__":
@@ -343,7 +337,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with trainer rank 0
     config = json.loads(sys.argv[1])
-    if config["rollout_cpus"]:  # CPU: vLLM on its own cores, as it would be on its own GPU
+    if config["rollout_cpus"]:  # see place()
         os.sched_setaffinity(0, cpus(config["rollout_cpus"]))
     try:
         Rollout(config, int(sys.argv[2])).run()

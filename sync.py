@@ -1,13 +1,9 @@
-"""
-sync.py: the wires between trainer and rollout engines, over one TCPStore on trainer rank 0.
-  ctl      gloo, trainer rank 0 -> every rollout process: [version, has_weights, stop] per step.
-  traj     gloo, rollout process e -> trainer rank 0: pickled groups and eval results.
-  weights  trainer rank 0 -> every vLLM worker, which receives and reloads them itself (load()).
-           NCCL on GPU, gloo on CPU, through two bucket-sized buffers per side. colocate: the
-           buffers are shared (CUDA IPC or /dev/shm) and gloo only says when a bucket is in.
-The store also holds the bucket plan, the IPC handles and the admission counters (rollout.py).
-Simplifications: a fixed weight layout; buckets are cut at tensor boundaries.
-"""
+"""sync.py: the wires between trainer and rollout engines, set up by a TCPStore on trainer rank 0
+(which also holds the bucket plan, IPC handles and rollout.py's admission counters).
+ctl (gloo) tells rollout processes [version, has_weights, stop] each step; traj (gloo) brings back
+pickled groups and evals. Weights go from trainer rank 0 into each vLLM worker (load()) by NCCL,
+gloo on CPU, via two bucket buffers a side; colocated, the buffers are shared (CUDA IPC, /dev/shm)
+and gloo only signals. Simplifications: a fixed weight layout; buckets cut at tensor boundaries."""
 import math
 import os
 import pickle
@@ -23,8 +19,8 @@ def open_store(host, port, master, timeout_s):
         return dist.TCPStore(host, port, is_master=master, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False)
     except (RuntimeError, OSError) as e:
-        raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); if "
-                           "the port is in use, pick a free one with --rollout_port=PORT") from None
+        raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); "
+                           "port in use? pick a free one with --rollout_port=PORT") from None
 
 
 def wait_for(store, keys, timeout_s, check_alive=lambda: None):
@@ -32,8 +28,7 @@ def wait_for(store, keys, timeout_s, check_alive=lambda: None):
     while not store.check(keys):
         check_alive()
         if time.time() > deadline:
-            raise TimeoutError(f"the rollout side did not set {keys} within "
-                               f"timeout_s={timeout_s} s")
+            raise TimeoutError(f"the rollout side did not set {keys} in timeout_s={timeout_s} s")
         time.sleep(0.1)
 
 
@@ -42,9 +37,8 @@ def gloo(store, name, rank, size, timeout_s):
                                  timedelta(seconds=timeout_s))
 
 
-def connect(store, rank, engines, timeout_s):
-    """-> (ctl, traj). Rank 0: the trainer (a traj group per engine); rank 1 + e: engine e."""
-    # an engine may wait a whole step for a header; it detects a dead trainer otherwise
+def connect(store, rank, engines, timeout_s):  # rank 0: the trainer; rank 1 + e: engine e
+    # an engine may wait a whole step for a header; it notices a dead trainer otherwise
     ctl = gloo(store, "ctl", rank, 1 + engines, timeout_s if rank == 0 else 7 * 86400)
     if rank == 0:
         return ctl, [gloo(store, f"traj{e}", 0, 2, timeout_s) for e in range(engines)]
@@ -75,8 +69,7 @@ def recv_header(ctl):
     return h[0].item(), bool(h[1]), bool(h[2])
 
 
-def plan_buckets(meta, bucket_mb, dtype):
-    """[(name, shape)] in send order -> buckets of (name, shape, offset, numel)."""
+def plan_buckets(meta, bucket_mb, dtype):  # [(name, shape)] -> [[(name, shape, offset, numel)]]
     limit, buckets, used = int(bucket_mb * 2**20) // dtype.itemsize, [], 0
     for name, shape in meta:
         n = math.prod(shape)
@@ -88,20 +81,16 @@ def plan_buckets(meta, bucket_mb, dtype):
     return buckets
 
 
-def bucket_numel(buckets):
-    return max(sum(n for *_, n in b) for b in buckets)
-
-
 def shm_path(port, i):
     return f"/dev/shm/nanoasync-{port}-{i}"
 
 
 def _buffers(buckets, cfg, device, port):
-    n, dtype = bucket_numel(buckets), getattr(torch, cfg["rollout_dtype"])
+    size, dtype = max(sum(n for *_, n in b) for b in buckets), getattr(torch, cfg["rollout_dtype"])
     if cfg["colocate"] and device.type == "cpu":
-        return [torch.from_file(shm_path(port, i), shared=True, size=n, dtype=dtype)
+        return [torch.from_file(shm_path(port, i), shared=True, size=size, dtype=dtype)
                 for i in (0, 1)]
-    return [torch.empty(n, dtype=dtype, device=device) for _ in (0, 1)]
+    return [torch.empty(size, dtype=dtype, device=device) for _ in (0, 1)]
 
 
 def weight_group(store, rank, world, device, colocate, timeout_s):
@@ -123,9 +112,7 @@ def barrier(pg, device):
     pg.allreduce([torch.zeros(1)]).wait()
 
 
-class Sender:
-    """Trainer rank 0's end of the weight group."""
-
+class Sender:  # trainer rank 0's end of the weight group
     def __init__(self, store, buckets, cfg, device, workers):
         self.buckets, self.device, self.colocate = buckets, device, cfg["colocate"]
         store.set("plan", pickle.dumps(buckets))
@@ -173,11 +160,9 @@ def push(sender, tensors, buckets, check_alive=lambda: None):
     return sender.bytes
 
 
-# ---- inside each vLLM worker (collective_rpc) ----
-
-def join(worker, host, port, first_rank, world, cfg):
+def join(worker, host, port, first_rank, world, cfg):  # in each vLLM worker (collective_rpc)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(host, port, False, cfg["timeout_s"])
     store.wait(["weights_ready"])
     buckets, colocate = pickle.loads(store.get("plan")), cfg["colocate"]
@@ -190,8 +175,7 @@ def join(worker, host, port, first_rank, world, cfg):
                             colocate=colocate)
 
 
-def _receive(store, pg, bufs, buckets, device, colocate):
-    """Yield the model's tensors; bucket k + 1 is on its way while vLLM loads bucket k."""
+def _receive(store, pg, bufs, buckets, device, colocate):  # bucket k + 1 comes while vLLM loads k
     works = {}
 
     def post(k):  # NCCL: queued on our stream behind the copies out of this buffer

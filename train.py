@@ -8,8 +8,9 @@ engines that generate all the time (rollout.py). Each optimizer step:
   4. logs to the console and {out_dir}/metrics.jsonl (metrics.py).
 Version k = the weights after k steps; batch k is trained at version k. Ctrl-C or SIGTERM stops
 every rank at the next step boundary (writing {out_dir}/ckpt.pt with ckpt_every).
-Simplifications: one optimizer step per batch; AdamW at a constant learning rate; rank 0 alone talks
-to the rollout side and deals each batch out.
+Simplifications: one optimizer step per batch; AdamW at a constant learning rate; no KL penalty
+and no reference model (beta = 0, as in DAPO); rank 0 alone talks to the engines and deals out
+each batch.
 """
 import json
 import os
@@ -37,7 +38,7 @@ import sync
 model = "data/tiny"  # a Hugging Face model folder, or a hub id where the hub is reachable
 task = "arithmetic"  # arithmetic | gsm8k (reward.py)
 data_path = ""  # gsm8k: a jsonl file of {"question", "answer"}, or a hub dataset id (openai/gsm8k)
-eval_path = ""  # gsm8k: held-out jsonl; "" = the hub dataset's test split, or eval_n of data_path
+eval_path = ""  # gsm8k: held-out jsonl; "" = the hub's test split, or eval_n of data_path
 instruction = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k
 out_dir = "out"
 seed = 1337
@@ -45,24 +46,23 @@ max_steps = 20  # optimizer steps = policy versions
 batch_groups = 8  # prompt groups per optimizer step (split over the trainer ranks)
 group_size = 8  # completions per prompt
 max_new_tokens = 64
-temperature = 1.0  # sampling temperature; the trainer's logprobs use the same one
+temperature = 1.0  # for sampling and for the trainer's logprobs
 lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
 micro_batch_groups = 1  # prompt groups per forward/backward
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
-max_staleness = 1  # eta: tokens are at most this many versions old when trained; 0 = synchronous
+max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no advantage, no signal)
 adv_norm_std = False  # divide advantages by the group's reward std
-is_level = "token"  # importance weight pi_theta / pi_behaviour per "token", or per "sequence"
+is_level = "token"  # importance weight pi_theta / pi_behaviour per "token" or per "sequence"
 is_mode = "truncate"  # "truncate" weights above is_high, or "mask" those outside [is_low, is_high]
 is_low = 0.125
 is_high = 3.0
 is_age_tighten = 0.0  # > 0: a token of age a gets the bounds ** 1 / (1 + is_age_tighten * a)
 overlong = "keep"  # answers cut at max_new_tokens: "keep" as graded, "mask" (no loss), "penalty"
 overlong_buffer = 16  # "penalty": the last this many tokens before max_new_tokens cost up to 1
-kl_coef = 0.0  # KL(pi || reference) penalty; 0 = no reference model at all
-eval_every = 5  # greedy held-out eval every this many versions (and at the start and end); 0 = off
+eval_every = 5  # greedy held-out eval every this many versions, at the start and end; 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines, each on tensor_parallel_size GPUs after the trainer ranks'
 tensor_parallel_size = 1
@@ -70,19 +70,19 @@ colocate = False  # one GPU for the trainer and vLLM: weights pass through share
 rollout_groups = 32  # most prompt groups in flight in one engine
 rollout_dtype = "float32"  # vLLM weights and compute
 trainer_dtype = "float32"  # FSDP2 compute (master weights and gradient reduction stay float32)
-trainer_threads = 0  # CPU threads per trainer rank; 0 = torchrun's OMP_NUM_THREADS (1)
+trainer_threads = 0  # CPU threads per trainer rank; 0 = torchrun's OMP_NUM_THREADS
 rollout_cpus = ""  # CPU: vLLM's cores, e.g. "1" or "2-3"; the trainer ranks keep the rest
 borrow_cpus = True  # CPU, one rank: while every engine waits for weights, train on its cores too
 max_model_len = 512
 kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
-enforce_eager = True  # no CUDA graphs in vLLM: start-up in seconds, not minutes
+enforce_eager = True  # no CUDA graphs: vLLM starts in seconds, not minutes
 bucket_mb = 64  # weight push bucket size
 rollout_host = "127.0.0.1"  # where trainer rank 0 hosts the trainer<->rollout store
 rollout_port = 29600
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
-reward_timeout_s = 5.0  # a grade taking longer is killed and scores 0 (counted in reward_failed)
-grader_workers = 2  # grader processes per engine; 0 = grade inside the engine loop (no time limit)
+reward_timeout_s = 5.0  # a grade taking longer is killed and scores 0 (reward_failed)
+grader_workers = 2  # grader processes per engine; 0 = grade in the engine loop, no time limit
 max_bad_steps = 3  # this many NaN/inf gradients in a row (each step skipped) stop the run
 wandb_log = False  # also log to Weights & Biases (WANDB_MODE=offline works without network)
 wandb_project = "nanoasync"
@@ -105,18 +105,16 @@ try:
     engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
 except ValueError as e:
     configurator.die(str(e))
-dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if
-                        device.type == "cuda" else None, timeout=timedelta(seconds=timeout_s))
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(
+    seconds=timeout_s), device_id=device if device.type == "cuda" else None)
 torch.manual_seed(seed)
 torch.set_num_threads(trainer_threads or torch.get_num_threads())
 threads = torch.get_num_threads()
 
-# ---- the policy, sharded; the optimizer; the optional reference ----
+# ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
 L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
-reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval() \
-    if kl_coef > 0 else None
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
 
 
@@ -189,20 +187,15 @@ def micro_batch(groups, step, n_tok):
     logp, mask, positions = L.token_logprobs(policy, groups, temperature, device, n_chunks=n_chunks)
     comps, W = [c for g in groups for c in g["completions"]], logp.shape[1]
     pad = lambda key: torch.tensor([c[key] + [0] * (W - len(c[key])) for c in comps], device=device)
-    behav = pad("logprobs")
-    cut = torch.tensor([c["cut"] for c in comps], device=device)
-    rewards = L.overlong_rewards(torch.tensor([c["reward"] for c in comps], device=device),
-                                 mask.sum(1), cut, max_new_tokens, overlong, overlong_buffer)
+    per_comp = lambda key: torch.tensor([c[key] for c in comps], device=device)
+    behav, cut = pad("logprobs"), per_comp("cut")
+    rewards = L.overlong_rewards(per_comp("reward"), mask.sum(1), cut, max_new_tokens, overlong,
+                                 overlong_buffer)
     adv = L.group_advantages(rewards, group_size, adv_norm_std)
     mask = mask * ~cut[:, None] if overlong == "mask" else mask
     age = (step - pad("versions")) * mask
-    ref_logp = None
-    if reference is not None:
-        with torch.no_grad():
-            ref_logp = L.token_logprobs(reference, groups, temperature, device,
-                                        n_chunks=n_chunks)[0]
     loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok, age, is_level, is_mode, is_low,
-                                is_high, is_age_tighten, ref_logp, kl_coef)
+                                is_high, is_age_tighten)
     (loss * world).backward()  # FSDP averages over ranks; the loss is already a global token mean
     return metrics.token_sums(loss, bounded, logp, behav, mask, age == 0, positions)
 
@@ -220,7 +213,7 @@ try:
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive)
                 n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"]  # flat ones too
                             if not (overlong == "mask" and c["cut"]))
-                batch = buf.split(buf.worth_a_forward(groups, world, kl_coef > 0), world), n_tok
+                batch = buf.split(buf.worth_a_forward(groups, world), world), n_tok
             except buf.Stopped:
                 pass
         box = [batch]
@@ -234,8 +227,7 @@ try:
         t0, sums, borrowed = time.perf_counter(), torch.zeros(len(metrics.SUMS), device=device), 0
         for i in range(0, len(mine), micro_batch_groups):
             if borrow:  # every engine waits for the next weights: compute on its cores meanwhile
-                lent = fleet.idle(version)
-                borrowed += lent
+                borrowed += (lent := fleet.idle(version))
                 torch.set_num_threads(threads + borrow * lent)
             # each backward reduce-scatters into the fp32 shards: no rank holds a full gradient
             sums += micro_batch(mine[i:i + micro_batch_groups], step, n_tok)

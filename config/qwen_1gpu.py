@@ -1,6 +1,7 @@
-# The GPU recipe on one 80 GB GPU: the trainer and one vLLM engine share it (colocate); the weights pass through
-# CUDA IPC buffers instead of a broadcast. vLLM takes gpu_memory_utilization of the GPU (weights + KV cache),
-# the trainer the rest (fp32 weights, gradients and AdamW of 1.5B parameters: ~25 GB, plus activations).
+# The GPU recipe on one 80 GB GPU: the trainer and one vLLM engine share it (colocate); the weights
+# pass through CUDA IPC buffers instead of a broadcast. vLLM takes gpu_memory_utilization of the GPU
+# (weights + KV cache), the trainer the rest (fp32 weights, gradients and AdamW of 1.5B parameters:
+# ~25 GB, plus activations).
 #   torchrun --nproc_per_node=1 train.py config/qwen_1gpu.py
 model = "Qwen/Qwen2.5-1.5B-Instruct"
 task = "gsm8k"

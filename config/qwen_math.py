@@ -1,6 +1,7 @@
-# The GPU recipe: Qwen2.5-1.5B-Instruct on GSM8K (hub ids; the machine must reach the hub), graded with
-# math-verify. One node of 8 GPUs: 5 trainer ranks (FSDP2, bf16 compute, fp32 master weights) + 3 vLLM engines,
-# one GPU each, so that neither side idles most of the time (README "GPU recipe": the arithmetic):
+# The GPU recipe: Qwen2.5-1.5B-Instruct on GSM8K (hub ids; the machine must reach the hub), graded
+# with math-verify. One node of 8 GPUs: 5 trainer ranks (FSDP2, bf16 compute, fp32 master weights)
+# + 3 vLLM engines, one GPU each, so that neither side idles most of the time (README "GPU recipe":
+# the arithmetic):
 #   torchrun --nproc_per_node=5 train.py config/qwen_math.py
 model = "Qwen/Qwen2.5-1.5B-Instruct"
 task = "gsm8k"

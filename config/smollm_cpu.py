@@ -1,22 +1,26 @@
-# The CPU demo: SmolLM2-135M-Instruct (offline, `python prepare.py smollm2`) learns "What is a + b?" on 2 cores.
+# The CPU demo: SmolLM2-135M-Instruct (offline, `python prepare.py smollm2`) learns "What is a + b?"
+# on 2 cores.
 model = "data/smollm2-135m"
 task = "arithmetic"
 out_dir = "out/smollm_cpu"
 max_steps = 10
-batch_groups = 8  # groups with reward spread per step (about 14 prompts; flat ones are skipped before counting)
+# groups with reward spread per step (about 14 prompts; flat ones are skipped before counting)
+batch_groups = 8
 group_size = 8
 max_new_tokens = 64
 temperature = 0.7
 lr = 2e-5
 max_staleness = 1
-drop_flat = True  # all right or all wrong: no signal (--drop_flat=False keeps them in the token mean, unrun)
+# all right or all wrong: no signal (--drop_flat=False keeps them in the token mean, unrun)
+drop_flat = True
 eval_every = 5
 eval_n = 200  # a binomial standard error of ~0.035 at these accuracies
 rollout_groups = 16
 rollout_dtype = "float32"  # the sampler's precision; see README "precision"
 trainer_dtype = "float32"  # this CPU (AVX2, no AMX) emulates bfloat16 matmuls: ~60x slower
 trainer_threads = 1
-rollout_cpus = "1"  # vLLM on core 1, the trainer on core 0, and on core 1 too while vLLM waits (borrow_cpus)
+# vLLM on core 1, the trainer on core 0, and on core 1 too while vLLM waits (borrow_cpus)
+rollout_cpus = "1"
 micro_batch_groups = 2
 max_model_len = 256
 kv_cache_gb = 2

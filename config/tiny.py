@@ -1,4 +1,5 @@
-# Tiny random model (build it with `python prepare.py tiny`): exercises the whole pipeline in seconds.
+# Tiny random model (build it with `python prepare.py tiny`): exercises the whole pipeline in
+# seconds.
 # It learns nothing useful; tests use it to check mechanics (sync, staleness, metrics, processes).
 model = "data/tiny"
 out_dir = "out/tiny"

@@ -12,7 +12,8 @@ os.environ["WANDB_MODE"] = "offline"  # --wandb_log writes its run to out_dir/wa
 
 @pytest.fixture(scope="session")
 def tiny():
-    """Random tiny Qwen2 models (tied and untied embeddings) with a locally trained tokenizer, built once."""
+    """Random tiny Qwen2 models (tied and untied embeddings) with a locally trained tokenizer,
+    built once."""
     import prepare
     return {"tied": prepare.build_tiny(os.path.join(ROOT, "data/tiny")),
             "untied": prepare.build_tiny(os.path.join(ROOT, "data/tiny-untied"), tie=False)}

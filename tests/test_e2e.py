@@ -1,6 +1,6 @@
-"""The real thing on the tiny model: torchrun, trainer ranks, one vLLM rollout process, the process groups between
-them. Also what a user sees when things go wrong: config errors before anything starts, a dead peer, a signal, a
-checkpoint and an exact resume."""
+"""The real thing on the tiny model: torchrun, trainer ranks, one vLLM rollout process, the process
+groups between them. Also what a user sees when things go wrong: config errors before anything
+starts, a dead peer, a signal, a checkpoint and an exact resume."""
 import json
 import os
 import signal
@@ -14,21 +14,25 @@ import torch
 
 from conftest import ROOT, free_port
 
-KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max mixed_version_frac "
-        "dropped_stale dropped_flat loss bounded_frac_fresh bounded_frac_stale cut_frac logprob_shift_stale "
-        "grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s elapsed_s borrowed_frac sync_bytes "
-        "engine_groups pad_frac reward_failed rollout_grade_s").split()
+KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max "
+        "mixed_version_frac dropped_stale dropped_flat loss bounded_frac_fresh bounded_frac_stale "
+        "cut_frac logprob_shift_stale grad_norm samples gen_tokens t_wait_s t_train_s t_sync_s "
+        "elapsed_s borrowed_frac sync_bytes engine_groups pad_frac reward_failed "
+        "rollout_grade_s").split()
 SYNC = ("--max_staleness=0", "--eval_every=0")
 
 
 def command(out, *overrides, nproc=1):
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-            "train.py", "config/tiny.py", f"--out_dir={out}", f"--rollout_port={free_port()}", *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", "train.py", "config/tiny.py", f"--out_dir={out}",
+            f"--rollout_port={free_port()}", *overrides]
 
 
 def ours(out):
-    """Every process of the run writing to `out` (torchrun, trainer ranks, the rollout process) still alive."""
-    return [q for q in psutil.process_iter(["cmdline"]) if str(out) in " ".join(q.info["cmdline"] or [])]
+    """Every process of the run writing to `out` (torchrun, trainer ranks, the rollout process)
+    still alive."""
+    return [q for q in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(q.info["cmdline"] or [])]
 
 
 def metrics(out):
@@ -37,8 +41,8 @@ def metrics(out):
 
 
 def train(out, *overrides, nproc=1, env=None):
-    p = subprocess.run(command(out, *overrides, nproc=nproc), cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env=env)
+    p = subprocess.run(command(out, *overrides, nproc=nproc), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=env)
     assert not ours(out), "processes left behind"
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return (*metrics(out), p)
@@ -46,11 +50,12 @@ def train(out, *overrides, nproc=1, env=None):
 
 def start(out, *overrides, steps=2):
     """Launch a long run in the background and return it once `steps` optimizer steps are logged."""
-    p = subprocess.Popen(command(out, "--max_steps=1000", *overrides), cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(command(out, "--max_steps=1000", *overrides), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while time.time() < deadline and p.poll() is None:
-        if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= steps:
+        if ((out / "metrics.jsonl").exists()
+                and (out / "metrics.jsonl").read_text().count("\n") >= steps):
             return p
         time.sleep(0.2)
     raise AssertionError(f"no {steps} steps within 180 s: " + p.communicate()[1][-3000:])
@@ -58,52 +63,60 @@ def start(out, *overrides, steps=2):
 
 @pytest.fixture(scope="module")
 def sync_run(tiny, tmp_path_factory):
-    """One synchronous 1-rank run, the reference for the 2-rank run and for the kill-and-resume run."""
+    """One synchronous 1-rank run, the reference for the 2-rank run and for the kill-and-resume
+    run."""
     out = tmp_path_factory.mktemp("sync")
-    steps, _, _ = train(out, *SYNC, "--max_steps=6", "--rollout_cpus=1")  # vLLM on core 1, lent while it waits
+    # vLLM on core 1, lent while it waits
+    steps, _, _ = train(out, *SYNC, "--max_steps=6", "--rollout_cpus=1")
     return out, steps
 
 
 @pytest.mark.parametrize("nproc, eta", [(1, 1), (2, 2)])
 def test_async_run(tiny, tmp_path, nproc, eta):
-    steps, evals, _ = train(tmp_path, f"--max_staleness={eta}", "--max_steps=6", f"--wandb_log={nproc == 1}",
-                            nproc=nproc)
+    steps, evals, _ = train(tmp_path, f"--max_staleness={eta}", "--max_steps=6",
+                            f"--wandb_log={nproc == 1}", nproc=nproc)
     assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
     for m in steps:
         assert all(k in m for k in KEYS), set(KEYS) - set(m)
         assert m["staleness_max"] <= eta
     assert steps[-1]["samples"] == 6 * 4 * 4 and steps[-1]["gen_tokens"] > 0
-    assert max(m["staleness_max"] for m in steps) >= 1  # the rollout really ran ahead of the trainer
+    # the rollout really ran ahead of the trainer
+    assert max(m["staleness_max"] for m in steps) >= 1
     assert [e["version"] for e in evals] == [0, 3, 6] and all(e["eval_n"] == 20 for e in evals)
     trained = [p for m in steps for p in m["prompts"]]
     assert len(trained) == len(set(trained)) == 6 * 4  # no prompt trained twice
     config = json.load(open(tmp_path / "train_config.json"))
     assert config["max_staleness"] == eta and config["max_steps"] == 6
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
-    assert len(samples) == 6 * 4 and {"prompt", "completion", "reward", "versions"} <= set(samples[0])
+    assert (len(samples) == 6 * 4
+            and {"prompt", "completion", "reward", "versions"} <= set(samples[0]))
     assert samples[0]["prompt"].startswith("What is ") and samples[-1]["step"] == 5
-    assert (tmp_path / "wandb").is_dir() == (nproc == 1)  # --wandb_log: an offline run beside the metrics
+    # --wandb_log: an offline run beside the metrics
+    assert (tmp_path / "wandb").is_dir() == (nproc == 1)
     from transformers import AutoModelForCausalLM
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path)  # the final model, in Hugging Face format
+    # the final model, in Hugging Face format
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert trained.config.vocab_size == 512
 
 
 SLOW_GRADER = """import functools, time, reward
 slow = reward.grade_number
-reward.grade_number = functools.wraps(slow)(lambda text, answer: time.sleep(0.05) or slow(text, answer))
+reward.grade_number = functools.wraps(slow)(
+    lambda text, answer: time.sleep(0.05) or slow(text, answer))
 """
 
 
 def test_a_slow_grader_does_not_stall_the_engine(tiny, tmp_path):
-    """Every answer takes 50 ms to grade (a sitecustomize module slows the grader in every process of the
-    run). With grader processes the engine loop spends under 10% of its stepping time on grades; graded in
-    the loop itself (grader_workers=0) it would wait on every one of them."""
+    """Every answer takes 50 ms to grade (a sitecustomize module slows the grader in every process
+    of the run). With grader processes the engine loop spends under 10% of its stepping time on
+    grades; graded in the loop itself (grader_workers=0) it would wait on every one of them."""
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_GRADER)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'hook'}{os.pathsep}{ROOT}")
     share = {}
     for workers in (2, 0):
-        steps, _, _ = train(tmp_path / str(workers), "--max_steps=3", f"--grader_workers={workers}", env=env)
+        steps, _, _ = train(tmp_path / str(workers), "--max_steps=3", f"--grader_workers={workers}",
+                            env=env)
         m = steps[-1]
         share[workers] = m["rollout_grade_s"] / m["rollout_engine_s"]
         assert m["reward_failed"] == 0 and m["rollout_tokens"] > 0
@@ -115,26 +128,31 @@ def test_synchronous_run_is_on_policy(sync_run):
     assert len(steps) == 6
     for k, m in enumerate(steps):
         assert m["staleness_max"] == 0 and m["mixed_version_frac"] == 0
-        assert m["prompts"] == [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3]  # batch k = the stream's k-th four prompts
-        # every token was sampled by the weights being trained: after 5 weight pushes the trainer's logprobs still
-        # equal vLLM's (fp32), so the sync and the sampled-distribution logprobs are both right
+        # batch k = the stream's k-th four prompts
+        assert m["prompts"] == [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3]
+        # every token was sampled by the weights being trained: after 5 weight pushes the
+        # trainer's logprobs still equal vLLM's (fp32), so the sync and the sampled-distribution
+        # logprobs are both right
         assert m["logprob_mismatch"] < 1e-4
-        # vLLM generated this whole batch and said it waits for the weights being trained: its core was lent
+        # vLLM generated this whole batch and said it waits for the weights being trained:
+        # its core was lent
         assert m["borrowed_frac"] == 1.0
     assert steps[-1]["grad_norm"] > 0
 
 
 def test_two_ranks_train_exactly_like_one(sync_run, tmp_path):
-    """FSDP2 over 2 gloo ranks, each with half of every batch and with activation checkpointing, ends at the weights
-    of the plain 1-rank run: the sharded gradient math (token normalisation across ranks, FSDP's gradient averaging)
-    and the recomputation are right."""
+    """FSDP2 over 2 gloo ranks, each with half of every batch and with activation checkpointing,
+    ends at the weights of the plain 1-rank run: the sharded gradient math (token normalisation
+    across ranks, FSDP's gradient averaging) and the recomputation are right."""
     from transformers import AutoModelForCausalLM
     one_dir, one = sync_run
     two, _, _ = train(tmp_path, *SYNC, "--max_steps=6", "--activation_checkpointing", nproc=2)
     assert [m["prompts"] for m in two] == [m["prompts"] for m in one]
-    assert [m["gen_tokens"] for m in two] == [m["gen_tokens"] for m in one]  # the same samples: same weights in vLLM
+    # the same samples: same weights in vLLM
+    assert [m["gen_tokens"] for m in two] == [m["gen_tokens"] for m in one]
     assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=1e-4, abs=1e-6)
-    a, b = AutoModelForCausalLM.from_pretrained(one_dir), AutoModelForCausalLM.from_pretrained(tmp_path)
+    a, b = (AutoModelForCausalLM.from_pretrained(one_dir),
+            AutoModelForCausalLM.from_pretrained(tmp_path))
     init = AutoModelForCausalLM.from_pretrained(ROOT + "/data/tiny")
     moved = max((p - q).abs().max().item() for p, q in zip(a.parameters(), init.parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
@@ -143,20 +161,24 @@ def test_two_ranks_train_exactly_like_one(sync_run, tmp_path):
 
 @pytest.mark.parametrize("extra", [("--rollout_engines=2",), ("--colocate",)])
 def test_every_engine_samples_what_the_trainer_computes(tiny, tmp_path, extra):
-    """Two engines fed by one broadcast, or one engine fed through shared memory: after every push each engine's
-    logprobs of its fresh tokens equal the trainer's (fp32), and with two engines both generate."""
+    """Two engines fed by one broadcast, or one engine fed through shared memory: after every push
+    each engine's logprobs of its fresh tokens equal the trainer's (fp32), and with two engines both
+    generate."""
     steps, _, _ = train(tmp_path, *SYNC, "--max_steps=6", *extra)
     assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
     for m in steps:
         assert m["staleness_max"] == 0 and m["logprob_mismatch"] < 1e-4
-        assert m["sync_bytes"] > 0 and len(m["engine_groups"]) == (2 if extra[0].endswith("2") else 1)
-    per_engine = [sum(m["engine_groups"][e] for m in steps) for e in range(len(steps[0]["engine_groups"]))]
+        assert (m["sync_bytes"] > 0
+                and len(m["engine_groups"]) == (2 if extra[0].endswith("2") else 1))
+    per_engine = [sum(m["engine_groups"][e] for m in steps)
+                  for e in range(len(steps[0]["engine_groups"]))]
     assert min(per_engine) > 0 and sum(per_engine) == 6 * 4, per_engine
 
 
 def test_kill_9_then_resume_trains_every_prompt_once(sync_run, tmp_path):
-    """Everything is SIGKILLed mid-run; --resume continues from the last checkpoint and, step for step, trains the
-    very prompts the uninterrupted run trained. Groups generated after the checkpoint are simply generated again."""
+    """Everything is SIGKILLed mid-run; --resume continues from the last checkpoint and, step for
+    step, trains the very prompts the uninterrupted run trained. Groups generated after the
+    checkpoint are simply generated again."""
     p = start(tmp_path, *SYNC, "--ckpt_every=2", steps=4)
     for q in ours(tmp_path):
         try:
@@ -164,17 +186,20 @@ def test_kill_9_then_resume_trains_every_prompt_once(sync_run, tmp_path):
         except psutil.NoSuchProcess:  # the rollout process may already have died with rank 0
             pass
     p.wait(timeout=30)
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # whole, even if the kill hit a write (ckpt.pt.tmp)
+    # whole, even if the kill hit a write (ckpt.pt.tmp)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["version"] >= 2 and ckpt["version"] % 2 == 0
     steps, _, out = train(tmp_path, *SYNC, "--max_steps=6", "--ckpt_every=2", "--resume")
-    assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]  # the log was cut back to the checkpoint
+    # the log was cut back to the checkpoint
+    assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
     assert [m["prompts"] for m in steps] == [m["prompts"] for m in sync_run[1]]
     assert steps[-1]["samples"] == 6 * 4 * 4
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_within_seconds_with_a_checkpoint(tiny, tmp_path, sig):
-    p = start(tmp_path, "--eval_every=0", "--ckpt_every=1000")  # asynchronous; checkpoints only on the way out
+    # asynchronous; checkpoints only on the way out
+    p = start(tmp_path, "--eval_every=0", "--ckpt_every=1000")
     t0 = time.time()
     p.send_signal(sig)  # what Ctrl-C or a scheduler's kill does to torchrun
     _, err = p.communicate(timeout=60)
@@ -186,12 +211,14 @@ def test_a_signal_stops_within_seconds_with_a_checkpoint(tiny, tmp_path, sig):
     done, _ = metrics(tmp_path)
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["version"] == len(done)
-    if sig == signal.SIGTERM:  # resume the asynchronous run: nothing trained twice, nothing before the mark skipped
+    # resume the asynchronous run: nothing trained twice, nothing before the mark skipped
+    if sig == signal.SIGTERM:
         steps, _, _ = train(tmp_path, "--eval_every=0", f"--max_steps={len(done) + 3}", "--resume")
         trained = [p for m in steps for p in m["prompts"]]
         assert [m["version"] for m in steps] == list(range(1, len(done) + 4))
         assert len(trained) == len(set(trained)) == 4 * len(steps)
-        assert len(set(range(ckpt["next"])) - set(trained)) <= ckpt["dropped"][0]  # only stale drops are missing
+        # only stale drops are missing
+        assert len(set(range(ckpt["next"])) - set(trained)) <= ckpt["dropped"][0]
 
 
 def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_path):
@@ -212,7 +239,8 @@ def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_p
 def test_a_killed_trainer_takes_the_rollout_process_down(tiny, tmp_path):
     p = start(tmp_path, "--eval_every=0", "--timeout_s=30")
     procs = ours(tmp_path)
-    rank0 = [q for q in procs if "train.py" in q.cmdline() and "torch.distributed.run" not in q.cmdline()]
+    rank0 = [q for q in procs
+             if "train.py" in q.cmdline() and "torch.distributed.run" not in q.cmdline()]
     rollout = [q for q in procs if "rollout.py" in " ".join(q.cmdline())]
     assert len(rank0) == 1 and len(rollout) == 1, [q.cmdline()[:3] for q in procs]
     t0 = time.time()
@@ -220,14 +248,17 @@ def test_a_killed_trainer_takes_the_rollout_process_down(tiny, tmp_path):
     rollout[0].wait(timeout=30)
     took = time.time() - t0
     p.communicate(timeout=60)
-    print(f"\ntrainer rank 0 SIGKILLed: rollout process gone {took:.1f} s later, torchrun {time.time() - t0:.1f} s")
+    print(f"\ntrainer rank 0 SIGKILLed: rollout process gone {took:.1f} s later, "
+          f"torchrun {time.time() - t0:.1f} s")
     assert p.returncode != 0 and took < 5, took  # torchrun reports the failure
     assert not ours(tmp_path)
 
 
 def test_nan_gradients_skip_steps_then_stop(tiny, tmp_path):
-    # lr=1e30 takes one finite but absurd step; the next forward passes overflow, their gradients are NaN
-    p = subprocess.run(command(tmp_path, "--lr=1e30", "--max_bad_steps=2", "--eval_every=0", "--max_steps=20"),
+    # lr=1e30 takes one finite but absurd step; the next forward passes overflow, their
+    # gradients are NaN
+    p = subprocess.run(command(tmp_path, "--lr=1e30", "--max_bad_steps=2", "--eval_every=0",
+                               "--max_steps=20"),
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert "optimizer step skipped" in p.stderr
@@ -239,50 +270,58 @@ def test_nan_gradients_skip_steps_then_stop(tiny, tmp_path):
 
 def test_prompts_too_long_are_skipped_and_counted(tiny, tmp_path):
     rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(40)]
-    rows += [{"question": "What is " + "1 + " * 100 + "1?", "answer": "101"} for _ in range(10)]  # > max_model_len
+    rows += [{"question": "What is " + "1 + " * 100 + "1?", "answer": "101"}
+             for _ in range(10)]  # > max_model_len
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    steps, _, _ = train(tmp_path / "out", "--task=gsm8k", f"--data_path={data}", "--eval_n=5", "--eval_every=0",
-                        "--max_steps=3")
+    steps, _, _ = train(tmp_path / "out", "--task=gsm8k", f"--data_path={data}", "--eval_n=5",
+                        "--eval_every=0", "--max_steps=3")
     assert len(steps) == 3 and steps[-1]["skipped_long"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--max_stepz=3"], "unknown config key 'max_stepz' in --max_stepz=3; did you mean 'max_steps'?"),
-    (["--max_steps=three"], "config key 'max_steps' in --max_steps=three must be int, got str 'three'"),
+    (["--max_stepz=3"],
+     "unknown config key 'max_stepz' in --max_stepz=3; did you mean 'max_steps'?"),
+    (["--max_steps=three"],
+     "config key 'max_steps' in --max_steps=three must be int, got str 'three'"),
     (["--drop_flat=1"], "config key 'drop_flat' in --drop_flat=1 must be bool, got int 1"),
     (["--lr"], "'--lr' has no value: write --lr=VALUE"),
     (["config/nope.py"], "config file 'config/nope.py' not found"),
     (["--max_staleness=-1"], "max_staleness=-1 must be >= 0"),
     (["--is_mode=clip"], "is_mode='clip' is not one of truncate, mask: pick one"),
-    (["--model=data/missing"], "model 'data/missing' is not a local model folder and could not be loaded from"),
+    (["--model=data/missing"],
+     "model 'data/missing' is not a local model folder and could not be loaded from"),
     (["--task=gsm8k"], "task 'gsm8k' needs --data_path=FILE.jsonl"),
     (["--task=gsm8k", "--data_path=data/none.jsonl"], "data_path 'data/none.jsonl' not found"),
     (["--task=poetry"], "unknown task 'poetry'"),
-    (["--resume", "--out_dir=out/never-written"], "--resume: no checkpoint at out/never-written/ckpt.pt"),
+    (["--resume", "--out_dir=out/never-written"],
+     "--resume: no checkpoint at out/never-written/ckpt.pt"),
 ])
 def test_bad_config_is_rejected_clearly(tiny, args, message):
-    p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_bad_files_are_rejected_clearly(tiny, tmp_path):
     (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertForMaskedLM"]}')
+    (tmp_path / "bert" / "config.json").write_text(
+        '{"model_type": "bert", "architectures": ["BertForMaskedLM"]}')
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "q", "answer": "1"}\n{"question": "no answer"}\n')
-    for args, message in [([f"--model={tmp_path}/bert"], "is a 'BertForMaskedLM' model, not a causal language model"),
-                          (["--task=gsm8k", f"--data_path={data}"], f"{data}:2: expected a JSON object")]:
-        p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
+    for args, message in [([f"--model={tmp_path}/bert"],
+                           "is a 'BertForMaskedLM' model, not a causal language model"),
+                          (["--task=gsm8k", f"--data_path={data}"],
+                           f"{data}:2: expected a JSON object")]:
+        p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_batch_must_split_over_ranks(tiny, tmp_path):
-    p = subprocess.run(command(tmp_path, "--batch_groups=3", nproc=2), cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(command(tmp_path, "--batch_groups=3", nproc=2), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "batch_groups=3 is not divisible by the 2 trainer ranks" in p.stderr
 
@@ -293,8 +332,9 @@ def test_a_taken_rollout_port_is_a_clear_error(tiny, tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
+        # the later --rollout_port wins
         p = subprocess.run(command(tmp_path, "--timeout_s=20", f"--rollout_port={port}"), cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)  # the later --rollout_port wins
+                           capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert f"cannot open the trainer<->rollout store on 127.0.0.1:{port}" in p.stderr
     assert "--rollout_port=PORT" in p.stderr

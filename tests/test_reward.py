@@ -51,13 +51,14 @@ def grade_all(graders, answers, answer="42"):
 
 PATHOLOGICAL = ["\\boxed{9^{9^{9^{9^{9}}}}}",  # a power tower sympy would try to evaluate
                 "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",  # deeply nested LaTeX
-                "".join(chr(33 + (i * 7919) % 90) for i in range(10_000)),  # 10k characters of garbage
+                # 10k characters of garbage
+                "".join(chr(33 + (i * 7919) % 90) for i in range(10_000)),
                 "1" * 5000 + " = \\boxed{42}"]  # a huge number, then the right answer
 
 
 def test_pathological_answers_are_graded_within_the_time_limit():
-    """math-verify's own timers are off; a grade past the limit is killed with its process and scores 0,
-    and the replacement process grades the next answers."""
+    """math-verify's own timers are off; a grade past the limit is killed with its process and
+    scores 0, and the replacement process grades the next answers."""
     graders = reward.Graders(reward.grade_math, workers=2, timeout_s=3.0)
     t0 = time.time()
     got = grade_all(graders, PATHOLOGICAL + ["\\boxed{42}"])

@@ -1,7 +1,7 @@
-"""Weights go from a trainer process into a real vLLM engine in another process: its worker is a rank of the
-weight group and receives them itself (sync.join / sync.load), through a broadcast or, colocated, through shared
-memory. After each push vLLM's sampled-token logprobs equal the trainer's own log_softmax(logits / T) on the new
-weights, and not on the old."""
+"""Weights go from a trainer process into a real vLLM engine in another process: its worker is a
+rank of the weight group and receives them itself (sync.join / sync.load), through a broadcast or,
+colocated, through shared memory. After each push vLLM's sampled-token logprobs equal the trainer's
+own log_softmax(logits / T) on the new weights, and not on the old."""
 import copy
 import json
 import os
@@ -33,12 +33,14 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate):
     cfg = {"rollout_dtype": "float32", "colocate": colocate, "rollout_port": port, "timeout_s": 60}
     store = sync.open_store("127.0.0.1", port, True, 60)
     store.set("prompt", json.dumps(prompt))
-    peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path, str(port),
-                             json.dumps(cfg)])
+    peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path,
+                             str(port), json.dumps(cfg)])
     try:
         meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied embedding once
-        # 10 KB buckets: many of them, and the two buffers on each side are refilled many times per push
-        sender = sync.Sender(store, sync.plan_buckets(meta, 0.01, torch.float32), cfg, torch.device("cpu"), 1)
+        # 10 KB buckets: many of them, and the two buffers on each side are refilled many
+        # times per push
+        sender = sync.Sender(store, sync.plan_buckets(meta, 0.01, torch.float32), cfg,
+                             torch.device("cpu"), 1)
         versions = [copy.deepcopy(model)]
         for k in (1, 2):
             torch.manual_seed(k)
@@ -53,7 +55,8 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate):
     finally:
         peer.kill()
     assert len(sender.buckets) > 3 and sent == sum(p.numel() for p in model.parameters()) * 4
-    assert not [f for f in os.listdir("/dev/shm") if str(port) in f]  # colocate: nothing left behind
+    # colocate: nothing left behind
+    assert not [f for f in os.listdir("/dev/shm") if str(port) in f]
     for k, got in enumerate(samples):  # vLLM sampled from version k: its logprobs are version k's
         for ids, lps in got:
             lps = torch.tensor(lps)

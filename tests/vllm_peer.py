@@ -1,5 +1,5 @@
-"""The vLLM side of test_sync.py: a real engine in its own process whose worker joins the weight group
-(sync.join), samples, receives new weights inside the worker (sync.load), and samples again.
+"""The vLLM side of test_sync.py: a real engine in its own process whose worker joins the weight
+group (sync.join), samples, receives new weights inside the worker (sync.load), and samples again.
 Usage: python vllm_peer.py MODEL_DIR PORT CONFIG_JSON"""
 import json
 import os
@@ -13,7 +13,8 @@ if __name__ == "__main__":
     from vllm import SamplingParams
     path, port, cfg = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     llm = rollout.make_llm(dict(cfg, model=path, seed=0, max_model_len=128, enforce_eager=True,
-                                gpu_memory_utilization=0.5, tensor_parallel_size=1, kv_cache_gb=1), "cpu")
+                                gpu_memory_utilization=0.5, tensor_parallel_size=1, kv_cache_gb=1),
+                           "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
     llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
     prompt = json.loads(store.get("prompt"))
@@ -21,7 +22,8 @@ if __name__ == "__main__":
 
     def sample():
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for c in out.outputs]
+        return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                for c in out.outputs]
 
     samples = [sample()]
     for _ in range(2):  # two pushes: the double buffers are reused across pushes too
