@@ -42,7 +42,8 @@ def read_jsonl(path):
 def gsm8k(data_path, eval_path, seed, n_eval, instruction=""):
     for key, path in (("data_path", data_path), ("eval_path", eval_path)):
         if path and (path.endswith(".jsonl") or os.sep in path) and not os.path.isfile(path):
-            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file")
+            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file of "
+                             "{question, answer} lines")
     if not data_path:
         raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id, online)")
     if os.path.isfile(data_path):
@@ -54,7 +55,8 @@ def gsm8k(data_path, eval_path, seed, n_eval, instruction=""):
         except Exception as e:
             why = f"{type(e).__name__}: {str(e)[:150]}"
             raise ValueError(f"data_path {data_path!r} is not a file nor a hub dataset that loads "
-                             f"({why}); offline? point --data_path= at a jsonl file") from None
+                             f"({why}); offline? point --data_path= at a jsonl file of "
+                             "{question, answer} lines") from None
         train, test = list(ds["train"]), list(ds["test"])
     if test is None:  # no eval file: hold out n_eval problems, seeded
         random.Random(seed).shuffle(train)

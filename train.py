@@ -55,8 +55,8 @@ activation_checkpointing = False  # recompute each decoder layer in the backward
 max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no advantage, no signal)
 adv_norm_std = False  # divide advantages by the group's reward std
-is_level = "token"  # importance weight pi_theta / pi_behaviour per "token" or per "sequence"
-is_mode = "truncate"  # "truncate" weights above is_high, or "mask" those outside [is_low, is_high]
+is_level = "sequence"  # importance weight pi_theta / pi_behaviour per "sequence" or per "token"
+is_mode = "mask"  # "mask" weights outside [is_low, is_high] (no loss), or "truncate" above is_high
 is_low = 0.125
 is_high = 3.0
 is_age_tighten = 0.0  # > 0: a token of age a gets the bounds ** 1 / (1 + is_age_tighten * a)

@@ -16,8 +16,10 @@ drop_flat = True
 eval_every = 5
 eval_n = 200  # a binomial standard error of ~0.035 at these accuracies
 rollout_groups = 16
-rollout_dtype = "float32"  # the sampler's precision; see README "precision"
-trainer_dtype = "float32"  # this CPU (AVX2, no AMX) emulates bfloat16 matmuls: ~60x slower
+# fp32 runs everywhere; "bfloat16" for both is faster only on CPUs with avx512_bf16 or AMX (without
+# them bf16 matmuls are emulated, ~60x slower): grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo
+rollout_dtype = "float32"
+trainer_dtype = "float32"
 trainer_threads = 1
 # vLLM on core 1, the trainer on core 0, and on core 1 too while vLLM waits (borrow_cpus)
 rollout_cpus = "1"
