@@ -103,8 +103,8 @@ def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
     return chunks
 
 
-def padded(rows, device, left=False):  # -> ids, mask [len(rows), longest]
-    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+def padded(rows, device, left=False, width=1):  # -> ids, mask [len(rows), longest or width]
+    ids = torch.zeros(len(rows), max(width, *map(len, rows)), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         span = slice(ids.shape[1] - len(r), None) if left else slice(0, len(r))
@@ -119,8 +119,7 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
     n = len(groups[0]["completions"])
     comps = [c["ids"] for g in groups for c in g["completions"]]
     pids, pmask = padded([g["prompt_ids"] for g in groups], device, left=True)
-    cids, cmask = padded(comps + [[0, 0]], device)
-    cids, cmask = cids[:-1], cmask[:-1]  # at least 2 wide
+    cids, cmask = padded(comps, device, width=2)  # 2: see Tc below
     T = cids.shape[1]
     with scoring(net, cids[:, :1].reshape(len(groups), 1, n), temperature):  # every first token
         out = net(input_ids=pids, attention_mask=pmask, use_cache=True, logits_to_keep=1,
