@@ -226,7 +226,7 @@ try:
         # ---- 2. the loss and one optimizer step ----
         t0, sums, borrowed = time.perf_counter(), torch.zeros(len(metrics.SUMS), device=device), 0
         for i in range(0, len(mine), micro_batch_groups):
-            if borrow:  # every engine waits for the next weights: compute on its cores meanwhile
+            if borrow:  # borrow_cpus: while every engine waits for weights, compute on its cores
                 borrowed += (lent := fleet.idle(version))
                 torch.set_num_threads(threads + borrow * lent)
             # each backward reduce-scatters into the fp32 shards: no rank holds a full gradient
