@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
@@ -342,5 +343,6 @@ if __name__ == "__main__":
     try:
         Rollout(config, int(sys.argv[2])).run()
     except Exception as e:
+        traceback.print_exc()
         print(f"rollout {sys.argv[2]}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        raise
+        os._exit(1)  # at once: vLLM's threads can hold a normal exit, and the trainer waits on it

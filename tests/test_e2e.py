@@ -196,6 +196,16 @@ def test_kill_9_then_resume_trains_every_prompt_once(sync_run, tmp_path):
     assert steps[-1]["samples"] == 6 * 4 * 4
 
 
+def test_resume_at_an_eval_version_evaluates_it_once(tiny, tmp_path):
+    """A run resumed at a version that is due an eval (here 2, with eval_every=2): the engine
+    evaluates it once, after loading the checkpointed weights, and goes on."""
+    train(tmp_path, "--max_steps=2", "--eval_every=2", "--ckpt_every=2")
+    steps, evals, _ = train(tmp_path, "--max_steps=4", "--eval_every=2", "--ckpt_every=2",
+                            "--resume")
+    assert [m["version"] for m in steps] == [1, 2, 3, 4]
+    assert [e["version"] for e in evals] == [0, 2, 4]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_within_seconds_with_a_checkpoint(tiny, tmp_path, sig):
     # asynchronous; checkpoints only on the way out
