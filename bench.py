@@ -177,12 +177,8 @@ def unshared_logprobs(model, group, device):
     computed = real = 0
     for rows in L.plan_chunks([P + len(c) for c in comps]):
         W = P + len(comps[rows[0]])
-        ids = torch.zeros(len(rows), W + 1, dtype=torch.long)
-        am = torch.zeros(len(rows), W, dtype=torch.long)
-        for j, i in enumerate(rows):
-            seq = group["prompt_ids"] + comps[i]
-            ids[j, :len(seq)], am[j, :len(seq)] = torch.tensor(seq), 1
-        ids, am = ids.to(device), am.to(device)
+        ids, am = L.padded([group["prompt_ids"] + comps[i] for i in rows], device, width=W + 1)
+        am = am[:, :W]
         with L.scoring(model, ids[:, 1:, None], 1.0):  # the logprob of each next token
             lp = model(input_ids=ids[:, :W], attention_mask=am).logits[..., 0]
         idx = torch.tensor(rows, device=device)

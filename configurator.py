@@ -16,7 +16,8 @@ def die(msg):
 
 def _typed(cfg, key, value, origin):
     if key not in cfg:
-        hint = "".join(f"; did you mean {k!r}?" for k in difflib.get_close_matches(key, cfg, n=1))
+        near = difflib.get_close_matches(key, cfg, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
         die(f"unknown config key {key!r} in {origin}{hint}")
     want, got = type(cfg[key]), type(value)
     if want is float and got is int:

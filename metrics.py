@@ -24,29 +24,30 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
+def ratio(a, b):
+    return a / b if b else None  # None: no such tokens this step
+
+
 def step_row(step, groups, seen, s, engines, **extra):
     """groups: the trained batch; seen: all groups taken from the buffer; s: {SUMS name: float}."""
     import buffer
-    cs = [c for g in groups for c in g["completions"]]
-    stale = [step - min(c["versions"], default=step) for c in cs]
-    s = dict(s, tokens=s["fresh"] + s["stale"])
-
-    def ratio(a, b):
-        return s[a] / s[b] if s[b] else None  # None: no such tokens this step
+    comps = [c for g in groups for c in g["completions"]]
+    stale = [step - min(c["versions"], default=step) for c in comps]
     return {
         "step": step, "version": step + 1,
         "reward_mean": mean([c["reward"] for g in seen for c in g["completions"]]),
-        "response_len_mean": mean([len(c["ids"]) for c in cs]),
+        "response_len_mean": mean([len(c["ids"]) for c in comps]),
         "staleness_mean": mean(stale), "staleness_max": max(stale),
-        "mixed_version_frac": mean([len(set(c["versions"])) > 1 for c in cs]),
+        "mixed_version_frac": mean([len(set(c["versions"])) > 1 for c in comps]),
         "flat_frac": mean([buffer.is_flat(g) for g in groups]),
         "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(engines)],
-        "loss": s["loss"], "logprob_mismatch": ratio("shift_fresh", "fresh"),
-        "logprob_shift_stale": ratio("shift_stale", "stale"),
-        "bounded_frac_fresh": ratio("bounded_fresh", "fresh"),
-        "bounded_frac_stale": ratio("bounded_stale", "stale"),
-        "cut_frac": mean([c["cut"] for c in cs]),  # cut at max_new_tokens
-        "stale_token_frac": ratio("stale", "tokens"), "pad_frac": 1 - s["real"] / s["computed"],
+        "loss": s["loss"], "logprob_mismatch": ratio(s["shift_fresh"], s["fresh"]),
+        "logprob_shift_stale": ratio(s["shift_stale"], s["stale"]),
+        "bounded_frac_fresh": ratio(s["bounded_fresh"], s["fresh"]),
+        "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
+        "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
+        "stale_token_frac": ratio(s["stale"], s["fresh"] + s["stale"]),
+        "pad_frac": 1 - s["real"] / s["computed"],
         "prompts": sorted(g["pos"] for g in groups), **extra}
 
 

@@ -313,7 +313,8 @@ class Rollout:
             while self.pending is None:
                 self.messages()
             self.load()
-        if self.e == 0 and self.cfg["eval_every"] > 0 and not self.evals:  # load() may have
+        # the run's first eval, unless the resumed version's load() already started it
+        if self.e == 0 and self.cfg["eval_every"] > 0 and not self.evals:
             self.start_eval()
         while self.messages():
             if os.getppid() != self.parent:

@@ -105,8 +105,8 @@ try:
     engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
 except ValueError as e:
     configurator.die(str(e))
-dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(
-    seconds=timeout_s), device_id=device if device.type == "cuda" else None)
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if
+                        device.type == "cuda" else None, timeout=timedelta(seconds=timeout_s))
 torch.manual_seed(seed)
 torch.set_num_threads(trainer_threads or torch.get_num_threads())
 threads = torch.get_num_threads()
@@ -227,7 +227,8 @@ try:
         t0, sums, borrowed = time.perf_counter(), torch.zeros(len(metrics.SUMS), device=device), 0
         for i in range(0, len(mine), micro_batch_groups):
             if borrow:  # borrow_cpus: while every engine waits for weights, compute on its cores
-                borrowed += (lent := fleet.idle(version))
+                lent = fleet.idle(version)
+                borrowed += lent
                 torch.set_num_threads(threads + borrow * lent)
             # each backward reduce-scatters into the fp32 shards: no rank holds a full gradient
             sums += micro_batch(mine[i:i + micro_batch_groups], step, n_tok)
