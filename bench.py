@@ -127,8 +127,8 @@ if __name__ == "__main__":
         max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5, tensor_parallel_size=1,
         kv_cache_gb=1)
     llm = rollout.make_llm(cfg, "cpu")
-    store = sync.open_store("127.0.0.1", port, False, 60)
-    llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
+    store = sync.open_store(port, False, 60)
+    llm.collective_rpc(sync.join, args=(port, 1, 2, cfg))
     for i in range({repeats}):
         store.wait([f"push{{i}}"]); llm.collective_rpc(sync.load)
         store.wait([f"raw{{i}}"]); llm.collective_rpc(raw, args=(int(store.get("numel")),))
@@ -141,7 +141,7 @@ if __name__ == "__main__":
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = sync.open_store("127.0.0.1", port, True, 60)
+    store = sync.open_store(port, True, 60)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]

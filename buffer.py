@@ -1,14 +1,15 @@
 """
-buffer.py: trainer rank 0's end of the rollout side. Buffer: finished groups wait there for the
-trainer, which drops stale ones (reported: the engines admit replacements) and optionally flat ones
-(advantages all 0; their engine replaced them). Rollouts: the rollout processes.
+buffer.py: trainer rank 0's end of the rollout side. Rollouts starts the rollout processes and puts
+the groups they send in a Buffer, from which the trainer takes batches, dropping stale groups (the
+engines then admit replacements) and optionally flat ones (their engine replaced them already).
 Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission.
 """
-import pickle
+import json
 import sys
 import threading
 import time
 
+import configurator
 import rollout
 import sync
 
@@ -88,13 +89,18 @@ class Rollouts:
         E, timeout = cfg["rollout_engines"], cfg["timeout_s"]
         self.stop_requested, self.evals, self.stats = stop_requested, [], {}
         self.done, self.next = set(ckpt.get("done", [])), ckpt.get("next", 0)  # positions taken
-        self.store = sync.open_store(cfg["rollout_host"], cfg["rollout_port"], True, timeout)
-        self.store.set("start", pickle.dumps({"version": ckpt.get("version", 0),
-                                              "next": self.next, "done": sorted(self.done)}))
-        for e in range(E):  # borrow_cpus
-            self.store.set(f"idle{e}", "")
-        self.procs = rollout.spawn(cfg, engine_gpus)
-        sync.wait_for(self.store, [f"joined{e}" for e in range(E)], timeout, self.check_alive)
+        self.procs = []
+        try:  # port taken, or a rollout process died starting
+            self.store = sync.open_store(cfg["rollout_port"], True, timeout)
+            self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
+                                                "next": self.next, "done": sorted(self.done)}))
+            for e in range(E):  # borrow_cpus
+                self.store.set(f"idle{e}", "")
+            self.procs = rollout.spawn(cfg, engine_gpus)
+            sync.wait_for(self.store, [f"joined{e}" for e in range(E)], timeout, self.check_alive)
+        except (RuntimeError, TimeoutError) as e:
+            self.kill()
+            configurator.die(str(e))
         self.ctl, trajs = sync.connect(self.store, 0, E, timeout)
         self.sender = sync.Sender(self.store, buckets, cfg, device, E * cfg["tensor_parallel_size"])
         # a stale group dropped: the engines may admit a replacement (rollout.take_ticket)
@@ -144,11 +150,8 @@ class Rollouts:
                 "dropped": [self.buffer.dropped_stale, self.buffer.dropped_flat]}
 
     def rollout_stats(self):  # summed over engines (rss: the largest)
-        out = {}
-        for s in self.stats.values():
-            for k, v in s.items():
-                out[k] = max(out.get(k, 0), v) if k == "rollout_rss_mb" else out.get(k, 0) + v
-        return out
+        stats = list(self.stats.values())
+        return {k: (max if k == "rollout_rss_mb" else sum)(s[k] for s in stats) for k in stats[0]}
 
     def wait_for_eval(self, version, timeout_s):
         deadline = time.time() + timeout_s
@@ -164,8 +167,8 @@ class Rollouts:
                   f"{str(error)[:200]}); its own error, if any, is printed above", file=sys.stderr)
         return bool(gone)
 
-    def stop(self, version, timeout_s):
-        sync.send_header(self.ctl, version, stop=True)
+    def stop(self, timeout_s):
+        sync.announce(self.ctl, -1)
         for p in self.procs:
             p.wait(timeout=timeout_s)
 

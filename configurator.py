@@ -1,6 +1,6 @@
-"""configurator.py: train.py's config. Config files (bare assignments, config/*.py), then
---key=value override train.py's defaults: only its keys, with their default's type; check()
-validates the rest. A mistake stops the run before anything starts, and says the fix."""
+"""configurator.py: train.py's config. Config files (config/*.py), then --key=value, override its
+defaults, each keeping its default's type; check() validates the rest. A mistake stops the run
+before anything starts, and says the fix."""
 import ast
 import difflib
 import json
@@ -14,17 +14,15 @@ def die(msg):
     sys.exit(2)
 
 
-def _typed(cfg, key, value, origin):
+def _set(cfg, key, value, origin):
     if key not in cfg:
         near = difflib.get_close_matches(key, cfg, n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         die(f"unknown config key {key!r} in {origin}{hint}")
     want, got = type(cfg[key]), type(value)
-    if want is float and got is int:
-        return float(value)
-    if got is not want:
+    if got is not want and not (want is float and got is int):
         die(f"config key {key!r} in {origin} must be {want.__name__}, got {got.__name__} {value!r}")
-    return value
+    cfg[key] = want(value)  # an int for a float: promoted
 
 
 def apply(scope, argv):
@@ -36,7 +34,7 @@ def apply(scope, argv):
                 die(f"config file {arg!r} not found (see config/)")
             for key, value in runpy.run_path(arg).items():
                 if not key.startswith("__"):
-                    cfg[key] = _typed(cfg, key, value, arg)
+                    _set(cfg, key, value, arg)
             continue
         key, eq, text = arg[2:].partition("=")
         if not eq and type(cfg.get(key)) is not bool:
@@ -47,7 +45,7 @@ def apply(scope, argv):
             value = text  # a bare string: --model=data/tiny
         if type(cfg.get(key)) is str and type(value) is not str:
             value = text  # as written: --rollout_cpus=1
-        cfg[key] = _typed(cfg, key, value, arg)
+        _set(cfg, key, value, arg)
     scope.update(cfg)
     return cfg
 
@@ -87,8 +85,9 @@ def check(cfg, world):
     cfg = dict(cfg, model=resolve_model(cfg["model"]))
     conf = json.load(open(f"{cfg['model']}/config.json"))
     kind, archs = conf.get("model_type"), conf.get("architectures") or []
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or archs and not any(
-            a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+    causal = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+        not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs))
+    if not causal:
         die(f"model {cfg['model']!r} is a {'/'.join(archs) or kind!r} model, not a causal language "
             "model: use a decoder-only LM")
     try:  # the rollout processes load the task too; its errors are clearer here

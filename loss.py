@@ -1,12 +1,10 @@
-"""
-loss.py: the trainer's logprobs of the sampled tokens, and the GRPO loss on stale samples.
+"""loss.py: the trainer's logprobs of the sampled tokens and the GRPO loss on stale samples:
   A_i   = r_i - mean(r of the group)  (optionally / std)
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
   w_t   = rho_t bounded: "truncate" min(rho, high) or "mask" 0 outside [low, high]; per token or
           per completion (geometric mean); tighten > 0: bounds ** 1/(1 + tighten * age)
   loss  = token mean over the batch of -A_i * sg(w_t) * log pi_theta(y_t)
-One optimizer step per batch: fresh tokens were sampled by the policy being trained, so a PPO clip
-would never bind; the bounds act on stale tokens only.
+One optimizer step per batch: a PPO clip would never bind on fresh tokens; the bounds act on stale.
 """
 import math
 from contextlib import contextmanager
@@ -17,21 +15,21 @@ from transformers import DynamicCache
 
 
 class SampledLogprob(torch.autograd.Function):
-    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time: [positions x vocabulary] never
-    exists whole. Backward recomputes each chunk's softmax unless all fit in keep_mb."""
+    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time so that [positions x vocabulary]
+    never exists whole; backward recomputes the softmax unless it fits in keep_mb."""
 
     @staticmethod
     def forward(ctx, h, w, ids, temperature, rows, keep_mb):
-        out, kept = [], []
         keep = h.shape[0] * w.shape[0] * 4 <= keep_mb * 2**20
+        out, ctx.kept = [], []
         for i in range(0, h.shape[0], rows):
             z = (h[i:i + rows] @ w.t()).float() / temperature
             lse = z.logsumexp(1, keepdim=True)
             out.append(z.gather(1, ids[i:i + rows]) - lse)
             if keep:
-                kept.append(z.sub_(lse).exp_())  # the softmax, in place of the logits
+                ctx.kept.append(z.sub_(lse).exp_())  # the softmax, in place of the logits
         ctx.save_for_backward(h, w, ids)
-        ctx.temperature, ctx.rows, ctx.kept = temperature, rows, kept
+        ctx.temperature, ctx.rows = temperature, rows
         return torch.cat(out)
 
     @staticmethod
@@ -51,12 +49,15 @@ class SampledLogprob(torch.autograd.Function):
 
 @contextmanager
 def scoring(net, ids, temperature, rows=1024, keep_mb=512):
-    """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits.
-    Its forward is swapped (FSDP's hooks are on the root); the clone is for FSDP's backward hook."""
+    """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits
+    (FSDP's hooks are on the root, so its forward can be swapped; the clone is for its backward)."""
     head = net.get_output_embeddings()
-    head.forward = lambda h: SampledLogprob.apply(
-        h.reshape(-1, h.shape[-1]), head.weight, ids.reshape(-1, ids.shape[-1]), temperature, rows,
-        keep_mb).view(*h.shape[:-1], ids.shape[-1]).clone()
+
+    def forward(h):
+        lp = SampledLogprob.apply(h.reshape(-1, h.shape[-1]), head.weight,
+                                  ids.reshape(-1, ids.shape[-1]), temperature, rows, keep_mb)
+        return lp.view(*h.shape[:-1], ids.shape[-1]).clone()
+    head.forward = forward
     try:
         yield
     finally:
@@ -68,8 +69,8 @@ def checkpoint_layers(net):
     a recompute first cuts that cache layer back to the length it had."""
     for layer in net.model.layers:
         def forward(*args, _inner=layer.forward, _i=layer.self_attn.layer_idx, **kw):
-            cache = kw.get("past_key_values")
-            kv = cache.layers[_i] if cache is not None and len(cache.layers) > _i else None
+            layers = getattr(kw.get("past_key_values"), "layers", [])
+            kv = layers[_i] if len(layers) > _i else None
             n = kv.keys.shape[-2] if kv is not None and kv.is_initialized else 0
 
             def run(*a, **k):
@@ -82,14 +83,12 @@ def checkpoint_layers(net):
 
 def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
     """Rows in chunks of similar length, longest first, each at most max_pad x its real tokens.
-    n_chunks: split the largest until there are that many (every FSDP rank runs as many forward
-    calls); a rank short of rows gets [None], a chunk whose result counts 0."""
+    n_chunks: split the largest until there are that many; short of rows, add [None] (a dummy)."""
     chunks, real = [], 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_pad * (
-                real + lengths[i]):
+        real += lengths[i]
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_pad * real:
             chunks[-1].append(i)
-            real += lengths[i]
         else:
             chunks.append([i])
             real = lengths[i]
@@ -113,31 +112,30 @@ def padded(rows, device, left=False, width=1):  # -> ids, mask [len(rows), longe
 
 
 def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
-    """-> logp, mask [completions, longest], (positions computed, real). Each prompt runs once,
-    left-padded; its KV cache serves its completions, run right-padded in chunks of similar length
-    (one long answer would otherwise widen every row)."""
+    """-> logp, mask [completions, longest], (positions computed, real). Each prompt runs once;
+    its KV cache serves its completions, in chunks of similar length."""
     n = len(groups[0]["completions"])
     comps = [c["ids"] for g in groups for c in g["completions"]]
     pids, pmask = padded([g["prompt_ids"] for g in groups], device, left=True)
     cids, cmask = padded(comps, device, width=2)  # 2: see Tc below
-    T = cids.shape[1]
     with scoring(net, cids[:, :1].reshape(len(groups), 1, n), temperature):  # every first token
         out = net(input_ids=pids, attention_mask=pmask, use_cache=True, logits_to_keep=1,
                   position_ids=(pmask.cumsum(1) - 1).clamp(min=0))
     first = out.logits.reshape(len(comps), 1)
-    logp, computed, real = torch.zeros(len(comps), T, device=device), pids.numel(), int(pmask.sum())
+    logp, computed, real = torch.zeros(cids.shape, device=device), pids.numel(), int(pmask.sum())
     for rows in plan_chunks([len(c) for c in comps], max_pad, n_chunks):
         dummy = rows == [None]
         rows = [min(range(len(comps)), key=lambda i: len(comps[i]))] if dummy else rows
         idx = torch.tensor(rows, device=device)
-        lp, Tc = first[idx], max(len(comps[rows[0]]), 2 if n_chunks else 1)  # ranks: a forward
+        # with n_chunks, every chunk runs a forward: FSDP ranks must make as many calls
+        lp, Tc = first[idx], max(len(comps[rows[0]]), 2 if n_chunks else 1)
         if Tc > 1:  # a fresh cache holding these rows' prompts, to which the completions append
             cache = DynamicCache()
             for layer, kv in enumerate(out.past_key_values.layers):
                 cache.update(kv.keys[idx // n], kv.values[idx // n], layer)
             pm, cm = pmask[idx // n], cmask[idx, :Tc - 1]
+            pos = pm.sum(1, keepdim=True) + torch.arange(Tc - 1, device=device)
             with scoring(net, cids[idx, 1:Tc, None], temperature):
-                pos = pm.sum(1, keepdim=True) + torch.arange(Tc - 1, device=device)
                 rest = net(input_ids=cids[idx, :Tc - 1], attention_mask=torch.cat([pm, cm], 1),
                            position_ids=pos, past_key_values=cache).logits[..., 0]
             lp = torch.cat([lp, rest], 1)
@@ -145,7 +143,7 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
         if dummy:
             logp = logp + 0 * lp.sum()
         else:
-            logp = logp.index_put((idx,), torch.nn.functional.pad(lp, (0, T - Tc)))
+            logp = logp.index_put((idx,), torch.nn.functional.pad(lp, (0, cids.shape[1] - Tc)))
     return logp * cmask, cmask, (computed, real)
 
 
@@ -156,8 +154,7 @@ def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):
 
 
 def overlong_rewards(rewards, lengths, cut, max_new_tokens, mode, buffer):
-    """"penalty" (DAPO): the last `buffer` tokens before max_new_tokens cost up to 1, a cut answer
-    costs 1. Other modes leave the rewards alone."""
+    """DAPO's "penalty": the last `buffer` tokens before the limit cost up to 1, a cut answer 1."""
     if mode != "penalty":
         return rewards
     over = (lengths - (max_new_tokens - buffer)).clamp(min=0) / max(buffer, 1)
@@ -166,8 +163,8 @@ def overlong_rewards(rewards, lengths, cut, max_new_tokens, mode, buffer):
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="truncate", low=0.0,
               high=3.0, tighten=0.0):
-    """logp, behav, mask, age [B, T]; adv [B]; n_tokens: the whole batch's, so micro-batches and
-    ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
+    """logp, behav, mask, age [B, T]; adv [B]; n_tokens: the whole batch's, so that micro-batches
+    and ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
     log_rho = (logp.detach() - behav) * mask
     age = torch.zeros_like(mask) if age is None else age.to(logp.dtype)
@@ -186,8 +183,7 @@ def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="t
 
 
 def shard(net, dtype, checkpointing=False):
-    """FSDP2, the one wrap: each decoder layer, then the root; fp32 master weights and gradient
-    reduction, compute in dtype."""
+    """FSDP2: each decoder layer, then the root; fp32 weights and gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if checkpointing:
         checkpoint_layers(net)
@@ -198,11 +194,10 @@ def shard(net, dtype, checkpointing=False):
 
 
 def agreed_chunks(groups, world, device):
-    """The chunks every rank runs for this micro-batch: FSDP needs as many forward calls on every
-    rank, not the same shapes. 0 on one rank."""
+    """FSDP needs as many forward calls on every rank, not the same shapes: the most chunks."""
     if world == 1:
         return 0
-    n = torch.tensor([len(plan_chunks([len(c["ids"]) for g in groups for c in g["completions"]]))],
-                     device=device)
+    lengths = [len(c["ids"]) for g in groups for c in g["completions"]]
+    n = torch.tensor([len(plan_chunks(lengths))], device=device)
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
     return int(n)

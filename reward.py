@@ -1,9 +1,7 @@
-"""reward.py: the tasks (train and eval lists of {"id", "prompt", "answer"}) and their graders.
-arithmetic: "What is a + b?" from the seed, graded by the last number (or the \\boxed{} content).
-gsm8k: a jsonl file ("#### 42" understood) or hub dataset, prompts ending with `instruction`, graded
-by math-verify. Graders run in processes beside the engine loop; a grade past its time limit is
-killed with its process (sympy can spin in C, where no signal reaches); it and grader errors score 0
-and are counted. Simplification: reward 1 or 0, no format reward."""
+"""reward.py: the tasks, arithmetic and gsm8k (train and eval lists of {"id", "prompt", "answer"}),
+and their graders. Graders run in processes beside the engine loop; a grade past its time limit is
+killed with its process (sympy can spin in C, where no signal reaches) and scores 0, counted as a
+failure like grader errors. Simplification: reward 1 or 0, no format reward."""
 import ctypes
 import json
 import multiprocessing
@@ -14,7 +12,13 @@ import signal
 import time
 from collections import deque
 
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+JSONL_HINT = "a jsonl file of {question, answer} lines"
+
+
+def problems(rows, instruction=""):
+    """{"question", "answer"} rows -> the task's problems; gsm8k's answer "... #### 42" is 42."""
+    return [{"id": i, "prompt": (r["question"] + " " + instruction).strip(),
+             "answer": str(r["answer"]).split("####")[-1].strip()} for i, r in enumerate(rows)]
 
 
 def arithmetic(seed, n_eval, max_operand=30):
@@ -22,9 +26,8 @@ def arithmetic(seed, n_eval, max_operand=30):
     random.Random(seed).shuffle(pairs)
     if n_eval >= len(pairs):
         raise ValueError(f"eval_n={n_eval} leaves none of the {len(pairs)} problems: lower eval_n")
-    make = lambda rows: [{"id": i, "prompt": f"What is {a} + {b}?", "answer": str(a + b)}
-                         for i, (a, b) in enumerate(rows)]
-    return make(pairs[n_eval:]), make(pairs[:n_eval])
+    rows = [{"question": f"What is {a} + {b}?", "answer": a + b} for a, b in pairs]
+    return problems(rows[n_eval:]), problems(rows[:n_eval])
 
 
 def read_jsonl(path):
@@ -40,31 +43,27 @@ def read_jsonl(path):
 
 
 def gsm8k(data_path, eval_path, seed, n_eval, instruction=""):
+    """data_path: a jsonl file or a hub dataset id (openai/gsm8k); no eval file: n_eval held out."""
     for key, path in (("data_path", data_path), ("eval_path", eval_path)):
         if path and (path.endswith(".jsonl") or os.sep in path) and not os.path.isfile(path):
-            raise ValueError(f"{key} {path!r} not found: point --{key}= at a jsonl file of "
-                             "{question, answer} lines")
+            raise ValueError(f"{key} {path!r} not found: point --{key}= at {JSONL_HINT}")
     if not data_path:
         raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id, online)")
     if os.path.isfile(data_path):
         train, test = read_jsonl(data_path), read_jsonl(eval_path) if eval_path else None
-    else:  # a hub dataset id (openai/gsm8k): online, or cached
+    else:
         try:
             import datasets
             ds = datasets.load_dataset(data_path, "main")
         except Exception as e:
-            why = f"{type(e).__name__}: {str(e)[:150]}"
             raise ValueError(f"data_path {data_path!r} is not a file nor a hub dataset that loads "
-                             f"({why}); offline? point --data_path= at a jsonl file of "
-                             "{question, answer} lines") from None
+                             f"({type(e).__name__}: {str(e)[:150]}); offline? point --data_path= "
+                             f"at {JSONL_HINT}") from None
         train, test = list(ds["train"]), list(ds["test"])
-    if test is None:  # no eval file: hold out n_eval problems, seeded
+    if test is None:
         random.Random(seed).shuffle(train)
         train, test = train[:-n_eval], train[-n_eval:]
-    make = lambda rows: [{"id": i, "prompt": (r["question"] + " " + instruction).strip(),
-                          "answer": str(r["answer"]).split("####")[-1].strip()}
-                         for i, r in enumerate(rows)]
-    return make(train), make(test[:n_eval])
+    return problems(train, instruction), problems(test[:n_eval], instruction)
 
 
 def load_task(cfg):
@@ -78,7 +77,7 @@ def load_task(cfg):
 def extract_answer(text):
     """The last \\boxed{...} content if there is one, else the last number; None if neither."""
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    nums = NUMBER.findall(boxed[-1] if boxed else text)
+    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", boxed[-1] if boxed else text)
     return nums[-1].replace(",", "").rstrip(".") if nums else None
 
 
@@ -92,7 +91,7 @@ def grade_number(text, answer):
 
 def grade_math(text, answer):
     import logging
-    import math_verify  # its own timers use SIGALRM; off: the time limit is the Graders' kill
+    import math_verify  # its own timers (SIGALRM) are off: the time limit is the Graders' kill
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": it is ours
     gold = math_verify.parse(answer, parsing_timeout=None)
     return float(math_verify.verify(gold, math_verify.parse(text, parsing_timeout=None),
@@ -122,13 +121,13 @@ def _grade_forever(conn, grade):  # one grader process: (text, answer) in, (rewa
 
 
 class Graders:
-    """`workers` grader processes; 0 grades in the caller, in poll(), with no time limit (to debug
-    or compare). submit() queues an answer; poll() -> [(key, reward, failed)] done since."""
+    """`workers` grader processes, or 0: grade in the caller, in poll(), with no time limit.
+    submit() queues an answer; poll() -> [(key, reward, failed)] done since."""
 
     def __init__(self, grade, workers=2, timeout_s=5.0):
         self.grade, self.timeout_s, self.workers = grade, timeout_s, workers
         self.ctx = multiprocessing.get_context("spawn")  # the engine's process has threads: no fork
-        self.busy, self.queue, self.done = {}, deque(), []
+        self.busy, self.queue = {}, deque()  # busy: (process, pipe) -> (key, start time)
         self.idle = [self.start() for _ in range(workers)]
 
     def start(self):
@@ -138,31 +137,31 @@ class Graders:
         return proc, conn
 
     def submit(self, key, text, answer):
-        self.queue.append((key, text, answer))
+        self.queue.append((key, (text, answer)))
 
     def poll(self):
+        done = []
         while not self.workers and self.queue:
-            key, text, answer = self.queue.popleft()
-            self.done.append((key, *safely(self.grade, text, answer)))
+            key, job = self.queue.popleft()
+            done.append((key, *safely(self.grade, *job)))
         now = time.monotonic()
-        for w, (key, t0) in list(self.busy.items()):
-            if w[1].poll():
-                self.done.append((key, *w[1].recv()))
-                self.idle.append(w)
-            elif now - t0 > self.timeout_s or not w[0].is_alive():  # stuck or dead: replace it
-                w[0].kill()
-                w[0].join()
-                self.done.append((key, 0.0, True))
+        for (proc, conn), (key, t0) in list(self.busy.items()):
+            if conn.poll():
+                done.append((key, *conn.recv()))
+                self.idle.append((proc, conn))
+            elif now - t0 > self.timeout_s or not proc.is_alive():  # stuck or dead: replace it
+                proc.kill()
+                proc.join()
+                done.append((key, 0.0, True))
                 self.idle.append(self.start())
             else:
                 continue
-            del self.busy[w]
+            del self.busy[proc, conn]
         while self.idle and self.queue:
-            key, text, answer = self.queue.popleft()
+            key, job = self.queue.popleft()
             w = self.idle.pop()
-            w[1].send((text, answer))
+            w[1].send(job)
             self.busy[w] = (key, now)
-        done, self.done = self.done, []
         return done
 
     def close(self):

@@ -1,7 +1,7 @@
 """
-rollout.py: one process per vLLM engine, stepped by hand, never waiting for the trainer: between two
-engine steps it loads announced weights (requests in flight go on; each token is tagged with the
-version that computed it), admits groups under the staleness bound, hands answers to grader
+rollout.py: one process per vLLM engine, stepped by hand and never waiting for the trainer. Between
+two engine steps it loads announced weights (requests in flight go on; each token is tagged with
+the version that computed it), admits groups under the staleness bound, hands answers to grader
 processes and sends graded groups to trainer rank 0. Engine 0 also runs the greedy eval.
 Simplifications: the engine core runs in this process; a group is n=1 requests sharing their
 prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated distribution).
@@ -9,7 +9,6 @@ prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated distribu
 import ctypes
 import json
 import os
-import pickle
 import queue
 import random
 import resource
@@ -19,6 +18,10 @@ import sys
 import threading
 import time
 import traceback
+
+import reward
+import sync
+from configurator import die
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
@@ -41,21 +44,17 @@ def place(cfg, world, local_world, device, master):
         return [[] for _ in range(E)], borrow
     import torch
     torch.cuda.set_device(device)
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    gpus = gpus if gpus[0] else [str(i) for i in range(torch.cuda.device_count())]
-    if not master:  # only rank 0 starts engines: node 0 may have fewer trainer ranks than others
-        return [], 0
-    if cfg["colocate"]:  # CUDA IPC needs trainer and engine on one device
-        if world != 1 or E * tp != 1:
-            raise ValueError(f"colocate runs 1 trainer rank and 1 engine with tensor_parallel_size"
-                             f"=1 on one GPU (got {world} ranks, rollout_engines={E}, "
-                             f"tensor_parallel_size={tp}): --nproc_per_node=1, or drop --colocate")
-        return [gpus[:1]], 0
-    if local_world + E * tp > len(gpus):
-        raise ValueError(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} "
-                         f"need {local_world + E * tp} GPUs, this node has {len(gpus)}: use fewer "
-                         "--nproc_per_node or --rollout_engines, or --colocate on one GPU")
-    return [gpus[local_world + e * tp:local_world + (e + 1) * tp] for e in range(E)], 0
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(
+        map(str, range(torch.cuda.device_count())))
+    gpus, first = gpus.split(","), 0 if cfg["colocate"] else local_world
+    if master and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
+        die("colocate runs 1 trainer rank and 1 engine with tensor_parallel_size=1 on one GPU: "
+            "--nproc_per_node=1 --rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
+    if master and first + E * tp > len(gpus):
+        die(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} need more than "
+            f"the {len(gpus)} GPUs here: fewer trainer ranks or --rollout_engines, or --colocate")
+    # only rank 0 starts engines: node 0 may have fewer trainer ranks than others
+    return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if master else [], 0
 
 
 def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
@@ -69,13 +68,9 @@ def spawn(cfg, engine_gpus):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # vLLM workers import sync
     if spec := cfg["rollout_cpus"]:
         env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(cpus(spec))))
-    procs = []
-    for e, gpus in enumerate(engine_gpus):
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        args = [sys.executable, os.path.join(ROOT, "rollout.py"), json.dumps(cfg), str(e)]
-        procs.append(subprocess.Popen(args, env=env))
-    return procs
+    return [subprocess.Popen([sys.executable, f"{ROOT}/rollout.py", json.dumps(cfg), str(e)],
+                             env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
+            for e, gpus in enumerate(engine_gpus)]
 
 
 def format_prompt(tok, text):
@@ -116,44 +111,47 @@ class Rollout:
     """One engine's loop and its state between two engine steps."""
 
     def __init__(self, cfg, e):
-        import reward
-        import sync
         import torch
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind as Kind
         self.cfg, self.e, self.parent = cfg, e, os.getppid()
         self.llm = make_llm(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-        self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
-        self.train_set, self.eval_set = reward.load_task(cfg)
+        self.engine, tok = self.llm.llm_engine, self.llm.get_tokenizer()
+        train_set, self.eval_set = reward.load_task(cfg)
+        for p in train_set + self.eval_set:
+            p["ids"] = format_prompt(tok, p["prompt"])
+        room = cfg["max_model_len"] - cfg["max_new_tokens"]  # a longer prompt leaves none to answer
+        fits = lambda problems: [p for p in problems if len(p["ids"]) <= room]
+        self.train_set, self.eval_set = fits(train_set), fits(self.eval_set)
+        if not self.train_set:
+            raise ValueError("no training prompt fits in max_model_len - max_new_tokens: "
+                             "raise max_model_len or lower max_new_tokens")
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters["skipped_long"] = len(train_set) - len(self.train_set) if e == 0 else 0
         self.graders = reward.Graders(reward.grader(cfg["task"]), cfg["grader_workers"],
                                       cfg["reward_timeout_s"])
-        host, port, E, tp = (cfg[k] for k in ("rollout_host", "rollout_port", "rollout_engines",
-                                              "tensor_parallel_size"))
-        self.store = sync.open_store(host, port, False, cfg["timeout_s"])
+        port, E, tp = cfg["rollout_port"], cfg["rollout_engines"], cfg["tensor_parallel_size"]
+        self.store = sync.open_store(port, False, cfg["timeout_s"])
         self.store.set(f"joined{e}", "1")
         self.ctl, self.traj = sync.connect(self.store, 1 + e, E, cfg["timeout_s"])
-        self.llm.collective_rpc(sync.join, args=(host, port, 1 + e * tp, 1 + E * tp, cfg))
-        start = pickle.loads(self.store.get("start"))
+        self.llm.collective_rpc(sync.join, args=(port, 1 + e * tp, 1 + E * tp, cfg))
+        start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]
         self.sample = SamplingParams(n=1, temperature=cfg["temperature"], logprobs=0,
                                      max_tokens=cfg["max_new_tokens"], output_kind=Kind.DELTA)
         self.greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg["max_new_tokens"],
                                      output_kind=Kind.FINAL_ONLY)
-        self.groups, self.evals, self.encoded, self.perm = {}, {}, {}, {}
+        self.groups, self.evals, self.perm, self.inbox = {}, {}, {}, queue.Queue()
         self.pending, self.retry_at, self.n_groups, self.eval_correct = None, 0.0, 0, 0
-        self.counters = dict.fromkeys(COUNTERS, 0)
         self.idle = ""  # borrow_cpus: our mark in the store (mark_idle)
-        self.inbox = queue.Queue()
         threading.Thread(target=self.receive, daemon=True).start()
 
-    def receive(self):
-        """Thread: the trainer's headers into the inbox; an error too, so that the loop exits."""
-        import sync
+    def receive(self):  # thread: announced versions into the inbox until -1 (stop) or an error
         try:
-            while not (msg := sync.recv_header(self.ctl))[2]:
-                self.inbox.put(msg)
-            self.inbox.put(msg)
+            while (v := sync.announced(self.ctl)) >= 0:
+                self.inbox.put(v)
+            self.inbox.put(v)
         except Exception as e:
             self.inbox.put(e)
 
@@ -163,36 +161,24 @@ class Rollout:
         wait = 0.005 if self.graders.busy else 0.05  # grades due: neither spin nor oversleep
         while True:
             try:
-                msg = self.inbox.get(block, wait)
+                v = self.inbox.get(block, wait)
             except queue.Empty:
                 return True
-            if isinstance(msg, Exception):
-                raise RuntimeError(f"lost the trainer: {msg}")
-            version, has_weights, stop = msg
-            if stop:
+            if isinstance(v, Exception):
+                raise RuntimeError(f"lost the trainer: {v}")
+            if v < 0:
                 return False
-            if has_weights:
-                self.pending = version
-            block = False
-
-    def encode(self, problem):  # -> token ids, or None when the prompt leaves no room to answer
-        if (text := problem["prompt"]) not in self.encoded:
-            ids = list(format_prompt(self.tok, text))
-            fits = len(ids) <= self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
-            self.encoded[text] = ids if fits else None
-        return self.encoded[text]
+            self.pending, block = v, False
 
     def add(self, rid, ids, params):  # the salt: no prefix-cache hit on an older version's KV
         self.engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"},
                                 params)
 
     def post(self, msg):
-        import sync
+        self.counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         sync.send_obj(self.traj, {**msg, "engine": self.e, **self.counters}, 0)
 
-    def load(self):
-        """Every vLLM worker receives the new weights itself (sync.load)."""
-        import sync
+    def load(self):  # every vLLM worker receives the new weights itself (sync.load)
         t0 = time.perf_counter()
         self.llm.collective_rpc(sync.load)
         self.llm.reset_prefix_cache()  # a no-op while requests hold blocks: the salt covers that
@@ -204,48 +190,32 @@ class Rollout:
 
     def start_eval(self):  # the next load waits for it: an eval sees one version
         for p in self.eval_set:
-            if (ids := self.encode(p)) is not None:
-                rid = f"eval-{self.version}-{p['id']}"
-                self.evals[rid] = p
-                self.add(rid, ids, self.greedy)
-        self.eval_n = len(self.evals)
-
-    def next_prompt(self):
-        """-> (k, problem, ids) for the next stream position k not trained yet whose prompt fits.
-        Position k is problem perm[k mod N], perm a seeded shuffle for epoch k // N."""
-        N = len(self.train_set)
-        while True:
-            k = self.first + self.store.add("pos", 1) - 1
-            if k in self.done:
-                continue
-            epoch, i = divmod(k, N)
-            if epoch not in self.perm:
-                rng = random.Random(f"{self.cfg['seed']}/{epoch}")
-                self.perm = {epoch: rng.sample(range(N), N)}
-            problem = self.train_set[self.perm[epoch][i]]
-            if (ids := self.encode(problem)) is not None:
-                return k, problem, ids
-            self.counters["skipped_long"] += 1
-            if self.counters["skipped_long"] >= N and not any(map(self.encode, self.train_set)):
-                raise ValueError("no training prompt fits in max_model_len - max_new_tokens: "
-                                 "raise max_model_len or lower max_new_tokens")
+            self.evals[rid := f"eval-{self.version}-{p['id']}"] = p
+            self.add(rid, p["ids"], self.greedy)
 
     def admit(self):
-        """Start new groups while the shared staleness budget allows."""
+        """Start new groups while the shared staleness budget allows. Stream position k (shared by
+        the engines) is problem perm[k mod N], perm a seeded shuffle for epoch k // N."""
         if self.evals and self.pending is not None:  # every engine waits in the load for this eval
             return
+        n, N = self.cfg["group_size"], len(self.train_set)
         while len(self.groups) < self.cfg["rollout_groups"] and time.monotonic() >= self.retry_at:
             if not take_ticket(self.store, self.version, self.v0, self.cfg):
                 self.retry_at = time.monotonic() + 0.01  # the budget grows with a load or a discard
                 return
-            k, problem, ids = self.next_prompt()
-            gid, n = f"g{self.n_groups}", self.cfg["group_size"]
+            while (k := self.first + self.store.add("pos", 1) - 1) in self.done:
+                pass  # trained before the checkpoint we resumed from
+            epoch, i = divmod(k, N)
+            if epoch not in self.perm:
+                rng = random.Random(f"{self.cfg['seed']}/{epoch}")
+                self.perm = {epoch: rng.sample(range(N), N)}
+            problem, gid = self.train_set[self.perm[epoch][i]], f"g{self.n_groups}"
             self.n_groups += 1
             self.groups[gid] = {"pos": k, "problem": problem, "left": 2 * n,  # to finish, to grade
                                 "comps": [{"ids": [], "logprobs": [], "versions": [], "text": ""}
                                           for _ in range(n)]}
             for i in range(n):
-                self.add(f"{gid}/{i}", ids, self.sample)
+                self.add(f"{gid}/{i}", problem["ids"], self.sample)
 
     def step(self):
         """One engine step; each new token is tagged with the version loaded now."""
@@ -271,12 +241,12 @@ class Rollout:
         """Rewards from the graders; a group whose answers are all graded goes to the trainer."""
         for rid, r, failed in self.graders.poll():
             self.counters["reward_failed"] += failed
-            if rid in self.evals:
-                self.evals.pop(rid)
+            if self.evals.pop(rid, None):
                 self.eval_correct += r == 1
                 if not self.evals:
-                    self.post({"kind": "eval", "version": self.version, "eval_n": self.eval_n,
-                               "eval_accuracy": self.eval_correct / self.eval_n})
+                    n = len(self.eval_set)
+                    self.post({"kind": "eval", "version": self.version, "eval_n": n,
+                               "eval_accuracy": self.eval_correct / n})
                     self.eval_correct = 0
                 continue
             gid, i = rid.rsplit("/", 1)
@@ -290,12 +260,11 @@ class Rollout:
         from buffer import is_flat
         versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
         msg = {"kind": "group", "pos": g["pos"], "prompt": g["problem"]["prompt"],
-               "prompt_ids": self.encode(g["problem"]), "completions": g["comps"],
+               "prompt_ids": g["problem"]["ids"], "completions": g["comps"],
                "version_min": min(versions), "version_max": max(versions)}
         if self.cfg["drop_flat"] and is_flat(msg):  # the trainer will skip it: replace it now
             self.store.add("flat", 1)
         self.counters["rollout_tokens"] += sum(len(c["ids"]) for c in g["comps"])
-        self.counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.mark_idle()  # before the trainer can see this group and look
         self.post(msg)
 
@@ -303,8 +272,7 @@ class Rollout:
         """borrow_cpus: store key idle{e} = the version this engine waits on with nothing to do
         (at the bound, no request, grade or load), so a lone CPU trainer rank borrows its cores."""
         busy = self.groups or self.evals or self.pending is not None or not self.retry_at
-        mark = "" if busy else str(self.version)
-        if mark != self.idle:
+        if (mark := "" if busy else str(self.version)) != self.idle:
             self.store.set(f"idle{self.e}", mark)
             self.idle = mark
 
@@ -323,13 +291,13 @@ class Rollout:
                 self.load()
             self.admit()
             self.mark_idle()
-            if self.engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                self.step()
-                self.counters["rollout_engine_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
+            if self.engine.has_unfinished_requests():
+                self.step()
+            t1 = time.perf_counter()
             self.grades()
-            self.counters["rollout_grade_s"] += time.perf_counter() - t0
+            self.counters["rollout_engine_s"] += t1 - t0
+            self.counters["rollout_grade_s"] += time.perf_counter() - t1
         self.graders.close()
         self.post({"kind": "bye"})
 

@@ -1,9 +1,9 @@
 """sync.py: the wires between trainer and rollout engines, set up by a TCPStore on trainer rank 0
-(which also holds the bucket plan, IPC handles and rollout.py's admission counters).
-ctl (gloo) tells rollout processes [version, has_weights, stop] each step; traj (gloo) brings back
-pickled groups and evals. Weights go from trainer rank 0 into each vLLM worker (load()) by NCCL,
-gloo on CPU, via two bucket buffers a side; colocated, the buffers are shared (CUDA IPC, /dev/shm)
-and gloo only signals. Simplifications: a fixed weight layout; buckets cut at tensor boundaries."""
+(which also holds the bucket plan and rollout.py's admission counters). ctl (gloo) announces each
+new version; traj (gloo) brings back groups and evals. Weights go from trainer rank 0 into each vLLM
+worker by NCCL (gloo on CPU) through two bucket buffers a side; colocated, the buffers are shared
+(CUDA IPC, /dev/shm) and gloo only signals. Simplifications: a fixed weight layout; buckets cut at
+tensor boundaries."""
 import math
 import os
 import pickle
@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 
-def open_store(host, port, master, timeout_s):
+def open_store(port, master, timeout_s):  # the engines run on trainer rank 0's machine
     try:
-        return dist.TCPStore(host, port, is_master=master, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        return dist.TCPStore("127.0.0.1", port, is_master=master, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as e:
-        raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); "
+        raise RuntimeError(f"cannot open the trainer<->rollout store on 127.0.0.1:{port} ({e}); "
                            "port in use? pick a free one with --rollout_port=PORT") from None
 
 
@@ -38,7 +38,7 @@ def gloo(store, name, rank, size, timeout_s):
 
 
 def connect(store, rank, engines, timeout_s):  # rank 0: the trainer; rank 1 + e: engine e
-    # an engine may wait a whole step for a header; it notices a dead trainer otherwise
+    # an engine waits on ctl as long as a step takes; a dead trainer breaks it anyway
     ctl = gloo(store, "ctl", rank, 1 + engines, timeout_s if rank == 0 else 7 * 86400)
     if rank == 0:
         return ctl, [gloo(store, f"traj{e}", 0, 2, timeout_s) for e in range(engines)]
@@ -59,14 +59,14 @@ def recv_obj(pg, src):
     return pickle.loads(data.numpy().tobytes())
 
 
-def send_header(ctl, version, has_weights=False, stop=False):
-    ctl.broadcast(torch.tensor([version, int(has_weights), int(stop)]), 0).wait()
+def announce(ctl, version):  # to every engine: the weights of `version` follow; -1: stop
+    ctl.broadcast(torch.tensor([version]), 0).wait()
 
 
-def recv_header(ctl):
-    h = torch.zeros(3, dtype=torch.int64)
-    ctl.broadcast(h, 0).wait()
-    return h[0].item(), bool(h[1]), bool(h[2])
+def announced(ctl):
+    v = torch.zeros(1, dtype=torch.int64)
+    ctl.broadcast(v, 0).wait()
+    return int(v)
 
 
 def plan_buckets(meta, bucket_mb, dtype):  # [(name, shape)] -> [[(name, shape, offset, numel)]]
@@ -81,12 +81,16 @@ def plan_buckets(meta, bucket_mb, dtype):  # [(name, shape)] -> [[(name, shape, 
     return buckets
 
 
+def numel(bucket):
+    return sum(n for *_, n in bucket)
+
+
 def shm_path(port, i):
     return f"/dev/shm/nanoasync-{port}-{i}"
 
 
 def _buffers(buckets, cfg, device, port):
-    size, dtype = max(sum(n for *_, n in b) for b in buckets), getattr(torch, cfg["rollout_dtype"])
+    size, dtype = max(map(numel, buckets)), getattr(torch, cfg["rollout_dtype"])
     if cfg["colocate"] and device.type == "cpu":
         return [torch.from_file(shm_path(port, i), shared=True, size=size, dtype=dtype)
                 for i in (0, 1)]
@@ -125,29 +129,27 @@ class Sender:  # trainer rank 0's end of the weight group
         if self.colocate and device.type == "cpu":
             for i in (0, 1):  # all mapped: leave nothing in /dev/shm, even after a kill -9
                 os.unlink(shm_path(cfg["rollout_port"], i))
-        self.bytes = sum(n for b in buckets for *_, n in b) * self.bufs[0].element_size()
+        self.bytes = sum(map(numel, buckets)) * self.bufs[0].element_size()
 
 
 def push(sender, tensors, buckets, check_alive=lambda: None):
     """Every trainer rank calls this (gathers are collectives); only rank 0 passes a Sender."""
     it, works = iter(tensors), []
     for k, bucket in enumerate(buckets):
-        full = []
-        for name, *_ in bucket:
-            got, t = next(it)
+        full = [next(it) for _ in bucket]
+        for (name, *_), (got, _) in zip(bucket, full):
             assert got == name, f"weight order changed: expected {name}, got {got}"
-            full.append(t)
         if sender is None:
             continue
         if len(works) >= 2:
             works[-2].wait()  # this buffer is free again; NCCL: the stream waits, not the host
         flat = sender.bufs[k % 2]
-        for (_, _, off, n), t in zip(bucket, full):
+        for (_, _, off, n), (_, t) in zip(bucket, full):
             flat[off:off + n].copy_(t.detach().reshape(-1))
         if sender.colocate:
             barrier(sender.pg, sender.device)  # bucket k is in place, k - 1 is read
         else:
-            works.append(sender.pg.broadcast(flat[:off + n], 0))
+            works.append(sender.pg.broadcast(flat[:numel(bucket)], 0))
     if sender is None:
         return 0
     for w in works:
@@ -160,12 +162,12 @@ def push(sender, tensors, buckets, check_alive=lambda: None):
     return sender.bytes
 
 
-def join(worker, host, port, first_rank, world, cfg):  # in each vLLM worker (collective_rpc)
-    cuda = torch.cuda.is_available()
+def join(worker, port, first_rank, world, cfg):  # in each vLLM worker (collective_rpc)
+    cuda, colocate = torch.cuda.is_available(), cfg["colocate"]
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
-    store = open_store(host, port, False, cfg["timeout_s"])
+    store = open_store(port, False, cfg["timeout_s"])
     store.wait(["weights_ready"])
-    buckets, colocate = pickle.loads(store.get("plan")), cfg["colocate"]
+    buckets = pickle.loads(store.get("plan"))
     if colocate and cuda:  # CUDA IPC: open the trainer's buffers
         bufs = [fn(*args) for fn, args in pickle.loads(store.get("ipc"))]
     else:
@@ -178,10 +180,9 @@ def join(worker, host, port, first_rank, world, cfg):  # in each vLLM worker (co
 def _receive(store, pg, bufs, buckets, device, colocate):  # bucket k + 1 comes while vLLM loads k
     works = {}
 
-    def post(k):  # NCCL: queued on our stream behind the copies out of this buffer
+    def post(k):  # NCCL: queued on our stream behind the clones out of this buffer
         if k < len(buckets) and not colocate:
-            *_, (_, _, off, n) = buckets[k]
-            works[k] = pg.broadcast(bufs[k % 2][:off + n], 0)
+            works[k] = pg.broadcast(bufs[k % 2][:numel(buckets[k])], 0)
 
     post(0)
     for k, bucket in enumerate(buckets):

@@ -1,20 +1,15 @@
 """
 train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value ...]`
-(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; rank 0 starts vLLM
-engines that generate all the time (rollout.py). Each optimizer step:
-  1. takes a batch from the buffer, the one place it waits for generation (buffer.py),
-  2. computes the loss micro-batch by micro-batch (loss.py) and steps the optimizer,
-  3. pushes the new weights into every vLLM worker, loaded between two engine steps (sync.py),
-  4. logs to the console and {out_dir}/metrics.jsonl (metrics.py).
-Version k = the weights after k steps; batch k is trained at version k. Ctrl-C or SIGTERM stops
-every rank at the next step boundary (writing {out_dir}/ckpt.pt with ckpt_every).
+(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; rank 0 starts the
+vLLM engines (rollout.py), which generate all the time. Each optimizer step takes a batch (the one
+wait for generation, buffer.py), computes the loss (loss.py), steps, pushes the new weights into
+every vLLM worker (sync.py) and logs (metrics.py). Version k = the weights after k steps; batch k
+is trained at version k. Ctrl-C or SIGTERM stops every rank at the next step boundary.
 Simplifications: one optimizer step per batch; AdamW at a constant learning rate; no KL penalty
-and no reference model (beta = 0, as in DAPO); rank 0 alone talks to the engines and deals out
-each batch.
+and no reference model (beta = 0, as in DAPO); rank 0 alone talks to the engines.
 """
 import json
 import os
-import resource
 import signal
 import sys
 import time
@@ -34,57 +29,56 @@ import rollout
 import sync
 
 # -------------------------------------------------------------------------------------------------
-# default config: config/*.py files and --key=value override these keys, in order (configurator.py)
-model = "data/tiny"  # a Hugging Face model folder, or a hub id where the hub is reachable
+# default config: config/*.py files, then --key=value, override these (configurator.py)
+model = "data/tiny"  # a Hugging Face model folder, or a hub id (online)
 task = "arithmetic"  # arithmetic | gsm8k (reward.py)
-data_path = ""  # gsm8k: a jsonl file of {"question", "answer"}, or a hub dataset id (openai/gsm8k)
+data_path = ""  # gsm8k: a jsonl of {"question", "answer"}, or a hub dataset id (openai/gsm8k)
 eval_path = ""  # gsm8k: held-out jsonl; "" = the hub's test split, or eval_n of data_path
 instruction = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k
 out_dir = "out"
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
-batch_groups = 8  # prompt groups per optimizer step (split over the trainer ranks)
+batch_groups = 8  # prompt groups per step, split over the trainer ranks
 group_size = 8  # completions per prompt
 max_new_tokens = 64
-temperature = 1.0  # for sampling and for the trainer's logprobs
+temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
 micro_batch_groups = 1  # prompt groups per forward/backward
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
 max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
-drop_flat = True  # skip groups whose rewards are all equal (no advantage, no signal)
+drop_flat = True  # skip groups whose rewards are all equal (no signal)
 adv_norm_std = False  # divide advantages by the group's reward std
-is_level = "sequence"  # importance weight pi_theta / pi_behaviour per "sequence" or per "token"
-is_mode = "mask"  # "mask" weights outside [is_low, is_high] (no loss), or "truncate" above is_high
+is_level = "sequence"  # importance weight per "sequence" (geometric mean) or "token" (loss.py)
+is_mode = "mask"  # "mask": no loss outside [is_low, is_high]; "truncate": at most is_high
 is_low = 0.125
 is_high = 3.0
-is_age_tighten = 0.0  # > 0: a token of age a gets the bounds ** 1 / (1 + is_age_tighten * a)
-overlong = "keep"  # answers cut at max_new_tokens: "keep" as graded, "mask" (no loss), "penalty"
-overlong_buffer = 16  # "penalty": the last this many tokens before max_new_tokens cost up to 1
+is_age_tighten = 0.0  # > 0: the bounds ** 1 / (1 + is_age_tighten * age)
+overlong = "keep"  # answers cut at max_new_tokens: "keep", "mask" (no loss) or "penalty"
+overlong_buffer = 16  # "penalty": the last this many tokens cost up to 1
 eval_every = 5  # greedy held-out eval every this many versions, at the start and end; 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines, each on tensor_parallel_size GPUs after the trainer ranks'
 tensor_parallel_size = 1
-colocate = False  # one GPU for the trainer and vLLM: weights pass through shared memory
+colocate = False  # one GPU for the trainer and vLLM; weights pass through shared memory
 rollout_groups = 32  # most prompt groups in flight in one engine
 rollout_dtype = "float32"  # vLLM weights and compute
-trainer_dtype = "float32"  # FSDP2 compute (master weights and gradient reduction stay float32)
-trainer_threads = 0  # CPU threads per trainer rank; 0 = torchrun's OMP_NUM_THREADS
+trainer_dtype = "float32"  # FSDP2 compute; master weights and gradient reduction stay float32
+trainer_threads = 0  # CPU threads per trainer rank; 0 = OMP_NUM_THREADS
 rollout_cpus = ""  # CPU: vLLM's cores, e.g. "1" or "2-3"; the trainer ranks keep the rest
-borrow_cpus = True  # CPU, one rank: while every engine waits for weights, train on its cores too
+borrow_cpus = True  # CPU, one rank: train on vLLM's cores too while every engine waits
 max_model_len = 512
 kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
-enforce_eager = True  # no CUDA graphs: vLLM starts in seconds, not minutes
+enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
 bucket_mb = 64  # weight push bucket size
-rollout_host = "127.0.0.1"  # where trainer rank 0 hosts the trainer<->rollout store
-rollout_port = 29600
+rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
-reward_timeout_s = 5.0  # a grade taking longer is killed and scores 0 (reward_failed)
+reward_timeout_s = 5.0  # a grade running longer is killed and scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine; 0 = grade in the engine loop, no time limit
-max_bad_steps = 3  # this many NaN/inf gradients in a row (each step skipped) stop the run
-wandb_log = False  # also log to Weights & Biases (WANDB_MODE=offline works without network)
+max_bad_steps = 3  # NaN/inf gradients in a row (each step skipped) that stop the run
+wandb_log = False  # also log to Weights & Biases (WANDB_MODE=offline needs no network)
 wandb_project = "nanoasync"
 wandb_run_name = ""
 ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, on a signal; 0 = never
@@ -100,13 +94,11 @@ config = configurator.check(config, world)
 model = config["model"]  # a hub id is now a folder in the hub cache
 
 # ---- placement: trainer ranks on each node's first GPUs, the engines after them on node 0 ----
-device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
-try:
-    engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
-except ValueError as e:
-    configurator.die(str(e))
-dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if
-                        device.type == "cuda" else None, timeout=timedelta(seconds=timeout_s))
+cuda = torch.cuda.is_available()
+device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
+engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
+dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                        timeout=timedelta(seconds=timeout_s))
 torch.manual_seed(seed)
 torch.set_num_threads(trainer_threads or torch.get_num_threads())
 threads = torch.get_num_threads()
@@ -131,14 +123,15 @@ buckets = sync.plan_buckets(meta, bucket_mb, getattr(torch, rollout_dtype))  # o
 ckpt_path, ckpt = os.path.join(out_dir, "ckpt.pt"), {}
 
 
-def save_checkpoint(version, state):
-    """Every rank gathers; rank 0 writes atomically (a crash mid-write leaves the previous file).
-    state: what rank 0 needs to go on exactly (prompt stream position, counters)."""
+def save_checkpoint(version):
+    """Every rank gathers; rank 0 writes atomically (a crash mid-write leaves the previous file)
+    with what it needs to go on exactly: the prompt stream's position, the counters."""
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
             torch.save({"version": version, "model": model_sd, "optim": optim_sd,
-                        "torch_rng": torch.get_rng_state(), **state}, f)
+                        "torch_rng": torch.get_rng_state(), **fleet.resume_state(), **log.state()},
+                       f)
             os.fsync(f.fileno())
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
@@ -160,23 +153,14 @@ for sig in (signal.SIGINT, signal.SIGTERM):
 if master:
     os.makedirs(out_dir, exist_ok=True)
     json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)
-    try:
-        fleet = buf.Rollouts(config, buckets, device, engine_gpus, ckpt, lambda: bool(stop_signal))
-    except (RuntimeError, TimeoutError) as e:  # port taken, or a rollout process died starting
-        configurator.die(str(e))
-    log = metrics.Log(config, start, time.perf_counter() - ckpt.get("elapsed_s", 0.0))
-samples, gen_tokens = ckpt.get("samples", 0), ckpt.get("gen_tokens", 0)
+    fleet = buf.Rollouts(config, buckets, device, engine_gpus, ckpt, lambda: bool(stop_signal))
+    log = metrics.Log(config, start, ckpt)
 skipped_steps = bad_in_a_row = 0
-
-
-def resume_state():
-    return {**fleet.resume_state(), "samples": samples, "gen_tokens": gen_tokens,
-            "elapsed_s": time.perf_counter() - log.t_start} if master else None
 
 
 def push_weights(version):  # every rank gathers; rank 0 sends
     if master:
-        sync.send_header(fleet.ctl, version, has_weights=True)
+        sync.announce(fleet.ctl, version)
         return sync.push(fleet.sender, full_weights(), buckets, fleet.check_alive)
     return sync.push(None, full_weights(), buckets)
 
@@ -220,12 +204,13 @@ try:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:  # stop between two steps, where the state is whole
             if ckpt_every:
-                save_checkpoint(version, resume_state())
+                save_checkpoint(version)
             raise buf.Stopped()
         mine, n_tok = box[0][0][rank], box[0][1]
         # ---- 2. the loss and one optimizer step ----
         t0, sums, borrowed = time.perf_counter(), torch.zeros(len(metrics.SUMS), device=device), 0
-        for i in range(0, len(mine), micro_batch_groups):
+        micro_batches = range(0, len(mine), micro_batch_groups)
+        for i in micro_batches:
             if borrow:  # borrow_cpus: while every engine waits for weights, compute on its cores
                 lent = fleet.idle(version)
                 borrowed += lent
@@ -253,21 +238,13 @@ try:
         t_sync = time.perf_counter() - t0
         # ---- 4. log ----
         if master:
-            s = dict(zip(metrics.SUMS, sums.tolist()))
-            samples += sum(len(g["completions"]) for g in groups)
-            gen_tokens += sum(len(c["ids"]) for g in seen for c in g["completions"])
-            log.step(metrics.step_row(
-                step, groups, seen, s, rollout_engines, dropped_stale=fleet.buffer.dropped_stale,
-                dropped_flat=fleet.buffer.dropped_flat, grad_norm=grad_norm.item(),
-                skipped_steps=skipped_steps, train_tokens_per_s=(s["fresh"] + s["stale"]) / t_train,
-                samples=samples, gen_tokens=gen_tokens, t_wait_s=t_wait, t_train_s=t_train,
-                t_sync_s=t_sync, sync_bytes=sync_bytes, elapsed_s=time.perf_counter() - log.t_start,
-                borrowed_frac=borrowed / -(-len(mine) // micro_batch_groups),
-                trainer_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                **fleet.rollout_stats()), groups, fleet.evals)
+            log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
+                     skipped_steps=skipped_steps, t_wait_s=t_wait, t_train_s=t_train,
+                     t_sync_s=t_sync, sync_bytes=sync_bytes,
+                     borrowed_frac=borrowed / len(micro_batches))
             fleet.consume(seen)
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
-            save_checkpoint(version, resume_state())
+            save_checkpoint(version)
     # ---- the end: the final eval; the model in Hugging Face format ----
     full = {name: t.cpu() for name, t in full_weights(torch.float32)}
     if master:
@@ -276,7 +253,7 @@ try:
         if eval_every > 0:
             fleet.wait_for_eval(max_steps, timeout_s)
         log.close(fleet.evals)
-        fleet.stop(max_steps, timeout_s)
+        fleet.stop(timeout_s)
 except buf.Stopped:
     if master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""

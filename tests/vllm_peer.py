@@ -15,8 +15,8 @@ if __name__ == "__main__":
     llm = rollout.make_llm(dict(cfg, model=path, seed=0, max_model_len=128, enforce_eager=True,
                                 gpu_memory_utilization=0.5, tensor_parallel_size=1, kv_cache_gb=1),
                            "cpu")
-    store = sync.open_store("127.0.0.1", port, False, 60)
-    llm.collective_rpc(sync.join, args=("127.0.0.1", port, 1, 2, cfg))
+    store = sync.open_store(port, False, 60)
+    llm.collective_rpc(sync.join, args=(port, 1, 2, cfg))
     prompt = json.loads(store.get("prompt"))
     params = SamplingParams(n=4, temperature=0.7, max_tokens=16, logprobs=0)
 
