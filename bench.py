@@ -146,7 +146,8 @@ if __name__ == "__main__":
     peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     sender = sync.Sender(store, sync.plan_buckets(meta, bucket_mb, torch.float32),
-                         {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60},
+                         {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60,
+                          "rollout_port": port},
                          torch.device("cpu"), 1)
     flat = torch.zeros(sender.bytes // 4)
     store.set("numel", str(flat.numel()))
