@@ -119,7 +119,7 @@ class Rollout:
         self.engine, tok = self.llm.llm_engine, self.llm.get_tokenizer()
         train_set, self.eval_set = reward.load_task(cfg)
         for p in train_set + self.eval_set:
-            p["ids"] = format_prompt(tok, p["prompt"])
+            p["ids"] = list(format_prompt(tok, p["prompt"]))
         room = cfg["max_model_len"] - cfg["max_new_tokens"]  # a longer prompt leaves none to answer
         fits = lambda problems: [p for p in problems if len(p["ids"]) <= room]
         self.train_set, self.eval_set = fits(train_set), fits(self.eval_set)
