@@ -6,6 +6,8 @@ line.
   python bench.py --configs=tiny   # just the tiny one
   python bench.py --trl            # TRL's GRPOTrainer vs ours on the demo, same machine
                                    # (pip install trl)
+  python bench.py --engine         # the engine loop's generation tokens/s against vLLM alone, and
+                                   # where the loop's time goes (pip install py-spy); --runs=N
   torchrun --nproc_per_node=1 bench.py --trainer
                                    # the trainer step alone, no vLLM: the 1.5B recipe's shape in
                                    # bf16 on a GPU, a small model in fp32 on CPU
@@ -41,7 +43,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # name: (config, overrides, the `prepare.py` target that makes its model)
 # borrow_cpus=False: each side keeps its own core, so the overlap is measured against a fixed split
 # of the machine
-CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1", "--trainer_threads=1",
+CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1",
                                        "--lr=0.0", "--borrow_cpus=False"], "tiny"),
            # 4 groups with reward spread per step, the eval on 100 sums: what the README's table
            # measured
@@ -52,10 +54,14 @@ args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 
 
+def run_dir(name, overrides):
+    return os.path.join(ROOT, "out/bench",
+                        name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
+
+
 def train(name, *overrides):
     config, base, _ = CONFIGS[name]
-    out = os.path.join(ROOT, "out/bench",
-                       name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
+    out = run_dir(name, overrides)
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "metrics.jsonl"), "w").close()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "train.py", config,
@@ -125,7 +131,7 @@ if __name__ == "__main__":
     port, cfg = int(sys.argv[1]), dict(
         model={model_dir!r}, rollout_dtype="float32", colocate=False, timeout_s=60, seed=0,
         max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5, tensor_parallel_size=1,
-        kv_cache_gb=1)
+        kv_cache_gb=1, rollout_groups=1, group_size=4, eval_n=0)
     llm = rollout.make_llm(cfg, "cpu")
     store = sync.open_store(port, False, 60)
     llm.collective_rpc(sync.join, args=(port, 1, 2, cfg))
@@ -188,6 +194,142 @@ def unshared_logprobs(model, group, device):
         mask = mask.index_put((idx,), torch.nn.functional.pad(am[:, P:].float(), (0, T - Tc)))
         computed, real = computed + am.numel(), real + int(am.sum())
     return logp * mask, mask, (computed, real)
+
+
+ENGINE_STANDALONE = """
+import json, os, random, sys, time
+sys.path.insert(0, {root!r})
+import rollout, reward
+if __name__ == "__main__":
+    from vllm import SamplingParams
+    cfg, G, steps = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3].split(",")
+    llm = rollout.make_llm(cfg, "cpu")
+    tok, (train_set, _) = llm.get_tokenizer(), reward.load_task(cfg)
+    # the loop's prompt stream (rollout.Rollout.admit): the batches of the steps it was timed on
+    perm = random.Random(f"{{cfg['seed']}}/0").sample(range(len(train_set)), len(train_set))
+    batches = [[{{"prompt_token_ids": rollout.format_prompt(tok, train_set[perm[k]]["prompt"])}}
+                for k in range(int(s) * G, (int(s) + 1) * G)] for s in steps]
+    out = {{}}
+    for name, extra in (("defaults", {{}}), ("loop_outputs", dict(detokenize=False,
+                                                                  flat_logprobs=True))):
+        if name == "loop_outputs" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":
+            continue
+        params = SamplingParams(n=cfg["group_size"], temperature=cfg["temperature"], logprobs=0,
+                                max_tokens=cfg["max_new_tokens"], **extra)
+        llm.generate(batches[0][:4], params, use_tqdm=False)  # warm-up
+        t, n = time.perf_counter(), 0
+        for batch in batches:
+            outs = llm.generate(batch, params, use_tqdm=False)
+            n += sum(len(c.token_ids) for o in outs for c in o.outputs)
+        out[name] = n / (time.perf_counter() - t)
+    print(json.dumps(out))
+"""
+# the loop as the trainer sees it: synchronous (the trainer waits for every whole batch), lr=0 (the
+# same answers every run), vLLM alone on core 1, graded by the default 2 grader processes
+ENGINE_RUN = ["--max_staleness=0", "--lr=0.0", "--eval_every=0", "--drop_flat=False",
+              "--group_size=8", "--max_new_tokens=64", "--rollout_cpus=1",
+              "--borrow_cpus=False", "--temperature=1.0"]
+ENGINE_SHAPE = {"tiny": (32, 8), "smollm": (16, 4)}  # groups of 8 in flight, steps
+
+
+def engine_standalone(cfg_path, G, steps, multiprocess):
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=str(int(multiprocess)),
+               VLLM_LOGGING_LEVEL="ERROR", VLLM_CPU_OMP_THREADS_BIND="1", OMP_NUM_THREADS="1")
+    code = ENGINE_STANDALONE.format(root=ROOT)
+    out = subprocess.run(["taskset", "-c", "1", sys.executable, "-c", code, cfg_path, str(G),
+                          ",".join(map(str, steps))], env=env, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"standalone vLLM failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def profile(name, G, seconds=20):
+    """py-spy on the rollout process of a loop run: the share of its main thread's wall-clock in
+    each of Rollout's methods (waiting included), vLLM's own step split out of ours."""
+    import shutil
+    import psutil
+    if not shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep
+                        + os.environ["PATH"]):
+        return {"skipped": "pip install py-spy"}
+    out = os.path.join(ROOT, "out/bench", name + "_profile")
+    os.makedirs(out, exist_ok=True)
+    config, base, _ = CONFIGS[name]
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                            "train.py", config, *base, *ENGINE_RUN, f"--batch_groups={G}",
+                            f"--rollout_groups={G}", "--max_steps=1000", f"--out_dir={out}"],
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (os.path.exists(f"{out}/metrics.jsonl") and open(f"{out}/metrics.jsonl").read()):
+            if run.poll() is not None:
+                sys.exit(f"the profiled run failed: see {out}")
+            time.sleep(0.5)  # the engine is up and one batch went through
+        pid = next(p.pid for p in psutil.Process(run.pid).children(recursive=True)
+                   if "rollout.py" in " ".join(p.cmdline()))
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record",
+                        "--pid", str(pid), "--duration", str(seconds), "--idle", "--format", "raw",
+                        "-o", f"{out}/raw.txt"], check=True, capture_output=True)
+    finally:
+        for p in [*psutil.Process(run.pid).children(recursive=True), run]:
+            p.kill()
+        run.wait()
+    phases, total = {}, 0
+    for line in open(f"{out}/raw.txt"):  # "frame;frame;... count", a frame "Class.method (file)"
+        stack, count = line.rsplit(" ", 1)
+        names = [f.split(" ")[0] for f in stack.split(";")]
+        if "Rollout.run" not in names:
+            continue  # not the loop's thread
+        phase = (names + ["Rollout.run"])[names.index("Rollout.run") + 1]
+        if phase == "Rollout.step":  # vLLM's LLMEngine.step: its engine core, its output processor
+            below = (names + ["?"] * 4)[names.index("LLMEngine.step") + 1:] \
+                if "LLMEngine.step" in names else None
+            phase = "step: ours" if below is None else "step: vLLM " + (
+                below[2].split(".")[-1] if below[0] == "InprocClient.get_output" else "outputs")
+        phases[phase] = phases.get(phase, 0) + int(count)
+        total += int(count)
+    return {k: round(v / total, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
+
+
+def engine_bench():
+    """The loop's generation phase as the trainer waits for it (generated tokens / t_wait_s, at
+    eta=0, so it waits for every whole batch), and inside vLLM's step (rollout_tokens /
+    rollout_engine_s), against LLM.generate alone on the same prompts (the batches of the same
+    steps), sampling, concurrency and core: in-process at vLLM's defaults, in-process with the
+    loop's own output settings (no detokenizing, flat logprobs), and vLLM's default engine core in
+    a process of its own. Then a py-spy profile of the loop."""
+    runs, results = int(args.get("runs", 1)), {}
+    for name in args.get("configs", "tiny,smollm").split(","):
+        subprocess.run([sys.executable, "prepare.py", CONFIGS[name][2]], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
+        G, S = ENGINE_SHAPE[name]
+        r = {"in_flight": G * 8, "loop": [], "loop_in_step": [], "generate_in_process": [],
+             "generate_loop_outputs": [], "generate_engine_process": []}
+        for _ in range(runs):
+            overrides = [*ENGINE_RUN, f"--batch_groups={G}", f"--rollout_groups={G}",
+                         f"--max_steps={S}"]
+            rows = train(name, *overrides)
+            a, b = rows[warmup - 1], rows[-1]
+            r["loop"].append((b["gen_tokens"] - a["gen_tokens"])
+                             / sum(x["t_wait_s"] for x in rows[warmup:]))
+            r["loop_in_step"].append((b["rollout_tokens"] - a["rollout_tokens"])
+                                     / (b["rollout_engine_s"] - a["rollout_engine_s"]))
+            cfg_path = os.path.join(run_dir(name, overrides), "train_config.json")
+            steps = range(warmup, S)
+            inproc = engine_standalone(cfg_path, G, steps, False)
+            r["generate_in_process"].append(inproc["defaults"])
+            r["generate_loop_outputs"].append(inproc["loop_outputs"])
+            r["generate_engine_process"].append(
+                engine_standalone(cfg_path, G, steps, True)["defaults"])
+        best = max(max(r[k]) for k in r if k.startswith("generate"))
+        r["loop_vs_fastest_vllm"] = [x / best for x in r["loop"]]
+        r["profile"] = profile(name, G) if args.get("profile", "1") == "1" else "off"
+        results[name] = r
+    for name, r in results.items():
+        print(f"\n{name} ({r['in_flight']} sequences in flight), generated tokens/s")
+        for k, v in r.items():
+            if isinstance(v, list):
+                print(f"  {k:24s} " + ", ".join(f"{x:.3g}" for x in v))
+        print(f"  {'loop profile':24s} {r['profile']}")
+    print(json.dumps(results))
 
 
 def trainer_only():
@@ -328,37 +470,49 @@ reward.grade_number = functools.wraps(slow)(
 """
 
 
+# the GPU recipe's answer rate, an estimate (not measured): an H100 engine making ~30k tokens/s
+# of Qwen2.5-1.5B at 1024 sequences, GSM8K answers ~300 tokens: ~100 answers/s per engine
+RECIPE_ANSWERS_PER_S = 30_000 / 300
+
+
 def grading():
-    """Graders: math-verify answers/s on GSM8K-style boxed answers with 1 and 2 processes; then the
-    tiny run with a 50 ms grader (a sitecustomize module slows it in every process), graded in 2
-    processes vs in the engine loop: the loop's tokens/s while stepping or grading, and the share of
-    that time spent on grades."""
+    """Graders: math-verify answers/s on GSM8K-style answers (a few sentences of working, then a
+    boxed number) with 1 and 2 processes, collected by a loop that stands in for the engine's (a
+    2 ms step, then Graders.wait and poll), against the GPU recipe's answer rate; then the tiny run
+    with a 50 ms grader (a sitecustomize module slows it in every process): the loop's tokens/s
+    while stepping or grading, and the share of that time spent on grades."""
     import tempfile
     import reward
-    out = {}
-    answers = [(f"She buys {i} packs of 3, so {i} * 3 = {3 * i}. \\boxed{{{3 * i}}}", str(3 * i))
-               for i in range(200)]
+    out = {"recipe_answers_per_s_per_engine (estimate)": RECIPE_ANSWERS_PER_S}
+    working = ("Natalia sold {i} clips in April and half as many in May, so she sold {i} / 2 = "
+               "{h} clips in May. Altogether she sold {i} + {h} = {t} clips in April and May. ")
+    answers = [(working.format(i=2 * i, h=i, t=3 * i) * 4 + f"The answer is \\boxed{{{3 * i}}}.",
+                str(3 * i)) for i in range(1000)]
     for workers in (1, 2):
         graders = reward.Graders(reward.grade_math, workers, 5.0)
-        graders.submit("warm-up", "\\boxed{1}", "1")
-        while not graders.poll():
-            time.sleep(0.01)
+        for i in range(workers):  # each process imports math-verify once
+            graders.submit(i, "\\boxed{1}", "1")
+        while graders.busy:
+            graders.wait(1.0)
+            graders.poll()
         t, done = time.perf_counter(), 0
         for i, (text, answer) in enumerate(answers):
             graders.submit(i, text, answer)
         while done < len(answers):
+            time.sleep(0.002)
+            graders.wait(1.0)
             done += len(graders.poll())
-            time.sleep(0.001)
-        out[f"math_verify_answers_per_s_{workers}"] = len(answers) / (time.perf_counter() - t)
+        rate = len(answers) / (time.perf_counter() - t)
+        out[f"math_verify_answers_per_s_{workers}"] = rate
+        out[f"capacity_vs_recipe_{workers}"] = rate / RECIPE_ANSWERS_PER_S
         graders.close()
     hook = tempfile.mkdtemp()
     open(os.path.join(hook, "sitecustomize.py"), "w").write(SLOW_GRADER)
     os.environ["PYTHONPATH"] = hook + os.pathsep + ROOT
-    for workers in (2, 0):
-        m = train("tiny", f"--grader_workers={workers}", "--max_steps=6")[-1]
-        busy = m["rollout_engine_s"] + m["rollout_grade_s"]
-        out[f"slow_grader_{workers}_tokens_per_s"] = m["rollout_tokens"] / busy
-        out[f"slow_grader_{workers}_grade_share"] = m["rollout_grade_s"] / busy
+    m = train("tiny", "--max_steps=6")[-1]
+    busy = m["rollout_engine_s"] + m["rollout_grade_s"]
+    out["slow_grader_tokens_per_s"] = m["rollout_tokens"] / busy
+    out["slow_grader_grade_share"] = m["rollout_grade_s"] / busy
     del os.environ["PYTHONPATH"]
     print(json.dumps(out))
 
@@ -368,6 +522,8 @@ if __name__ == "__main__":
         sys.exit(trainer_only())
     if "--grading" in sys.argv:
         sys.exit(grading())
+    if "--engine" in sys.argv:
+        sys.exit(engine_bench())
     if "--trl" in sys.argv:
         sys.exit(trl_baseline())
     results, table = {}, []

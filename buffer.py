@@ -12,6 +12,7 @@ import time
 import configurator
 import rollout
 import sync
+from reward import is_flat
 
 
 class Stopped(Exception):
@@ -63,11 +64,6 @@ class Buffer:
         return batch, seen, waited
 
 
-def is_flat(group):
-    rewards = [c["reward"] for c in group["completions"]]
-    return max(rewards) == min(rewards)
-
-
 def worth_a_forward(groups, world_size):
     """A flat group adds nothing to the gradient: skip it, but as filler so that every rank runs as
     many forward passes (FSDP's collectives need that)."""
@@ -103,8 +99,8 @@ class Rollouts:
             configurator.die(str(e))
         self.ctl, trajs = sync.connect(self.store, 0, E, timeout)
         self.sender = sync.Sender(self.store, buckets, cfg, device, E * cfg["tensor_parallel_size"])
-        # a stale group dropped: the engines may admit a replacement (rollout.take_ticket)
-        discard = lambda n: self.store.add("discarded", n)
+        # a stale group dropped: the engines may admit a replacement (rollout.take_tickets)
+        discard = lambda n: self.store.add("admitted", -n)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, timeout)
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
         for traj in trajs:

@@ -1,8 +1,8 @@
 """loss.py: the trainer's logprobs of the sampled tokens and the GRPO loss on stale samples:
-  A_i   = r_i - mean(r of the group)  (optionally / std)
+  A_i   = r_i - mean(r of the group)
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
   w_t   = rho_t bounded: "truncate" min(rho, high) or "mask" 0 outside [low, high]; per token or
-          per completion (geometric mean); tighten > 0: bounds ** 1/(1 + tighten * age)
+          per completion (geometric mean)
   loss  = token mean over the batch of -A_i * sg(w_t) * log pi_theta(y_t)
 One optimizer step per batch: a PPO clip would never bind on fresh tokens; the bounds act on stale.
 """
@@ -147,34 +147,21 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
     return logp * cmask, cmask, (computed, real)
 
 
-def group_advantages(rewards, group_size, norm_std=False, eps=1e-6):
+def group_advantages(rewards, group_size):  # no division by the std (the results log)
     r = rewards.view(-1, group_size)
-    adv = r - r.mean(dim=1, keepdim=True)
-    return (adv / (r.std(dim=1, keepdim=True) + eps) if norm_std else adv).reshape(-1)
+    return (r - r.mean(dim=1, keepdim=True)).reshape(-1)
 
 
-def overlong_rewards(rewards, lengths, cut, max_new_tokens, mode, buffer):
-    """DAPO's "penalty": the last `buffer` tokens before the limit cost up to 1, a cut answer 1."""
-    if mode != "penalty":
-        return rewards
-    over = (lengths - (max_new_tokens - buffer)).clamp(min=0) / max(buffer, 1)
-    return rewards - torch.where(cut, torch.ones_like(over), over.clamp(max=1))
-
-
-def grpo_loss(logp, behav, adv, mask, n_tokens, age=None, level="token", mode="truncate", low=0.0,
-              high=3.0, tighten=0.0):
-    """logp, behav, mask, age [B, T]; adv [B]; n_tokens: the whole batch's, so that micro-batches
-    and ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
+def grpo_loss(logp, behav, adv, mask, n_tokens, level="token", mode="truncate", low=0.0, high=3.0):
+    """logp, behav, mask [B, T]; adv [B]; n_tokens: the whole batch's, so that micro-batches and
+    ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
     log_rho = (logp.detach() - behav) * mask
-    age = torch.zeros_like(mask) if age is None else age.to(logp.dtype)
-    if level == "sequence":  # the completion's mean log ratio, and its oldest token's age
+    if level == "sequence":  # the completion's mean log ratio
         log_rho = log_rho.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1) * mask
-        age = (age * mask).amax(1, keepdim=True).expand_as(mask)
-    shrink = 1 / (1 + tighten * age)
-    log_hi, log_lo = math.log(high) * shrink, math.log(max(low, 1e-30)) * shrink
+    log_hi, log_lo = math.log(high), math.log(max(low, 1e-30))
     if mode == "truncate":
-        w, bounded = torch.exp(torch.minimum(log_rho, log_hi)), log_rho > log_hi
+        w, bounded = torch.exp(log_rho.clamp(max=log_hi)), log_rho > log_hi
     else:
         bounded = (log_rho > log_hi) | (log_rho < log_lo)
         w = torch.exp(log_rho) * ~bounded

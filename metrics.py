@@ -61,7 +61,7 @@ class Log:
 
     def step(self, step, groups, seen, sums, fleet, **extra):
         """groups: the trained batch; seen: every group taken from the buffer; sums: SUMS."""
-        import buffer
+        from reward import is_flat
         s, comps = dict(zip(SUMS, sums)), [c for g in groups for c in g["completions"]]
         engines = range(len(fleet.procs))
         stale = [step - min(c["versions"], default=step) for c in comps]
@@ -72,7 +72,7 @@ class Log:
              "response_len_mean": mean([len(c["ids"]) for c in comps]),
              "staleness_mean": mean(stale), "staleness_max": max(stale),
              "mixed_version_frac": mean([len(set(c["versions"])) > 1 for c in comps]),
-             "flat_frac": mean([buffer.is_flat(g) for g in groups]),
+             "flat_frac": mean([is_flat(g) for g in groups]),
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in engines],
              "loss": s["loss"], "logprob_mismatch": ratio(s["shift_fresh"], s["fresh"]),
              "logprob_shift_stale": ratio(s["shift_stale"], s["stale"]),
@@ -101,11 +101,12 @@ class Log:
     def evals(self, evals):
         while evals:
             e = evals.pop(0)
+            lo, hi = e["eval_versions"]  # it runs across loads: the weights its tokens came from
             print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} "
-                  f"(n={e['eval_n']})", flush=True)
+                  f"(n={e['eval_n']}, weights {lo}..{hi})", flush=True)
             self.write({"step": e["version"], "elapsed_s": e["t"] - self.t_start,
-                        **{k: e[k] for k in ("version", "eval_accuracy", "eval_n")}},
-                       ["eval_accuracy"])
+                        **{k: e[k] for k in ("version", "eval_accuracy", "eval_n",
+                                             "eval_versions")}}, ["eval_accuracy"])
 
     def close(self, evals):
         self.evals(evals)

@@ -5,12 +5,14 @@ failure like grader errors. Simplification: reward 1 or 0, no format reward."""
 import ctypes
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import re
 import signal
 import time
 from collections import deque
+from contextlib import suppress
 
 JSONL_HINT = "a jsonl file of {question, answer} lines"
 
@@ -109,61 +111,78 @@ def safely(grade, text, answer):  # -> (reward, failed)
         return 0.0, True
 
 
-def _grade_forever(conn, grade):  # one grader process: (text, answer) in, (reward, failed) out
+def is_flat(group):  # every completion got the same reward: no signal for GRPO
+    rewards = [c["reward"] for c in group["completions"]]
+    return max(rewards) == min(rewards)
+
+
+def _grade_forever(conn, grade):  # one grader process: [(text, answer)] in, (reward, failed) out
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
     while True:
         try:
-            job = conn.recv()
+            jobs = conn.recv()
         except EOFError:  # the engine is gone
             return
-        conn.send(safely(grade, *job))
+        for job in jobs:  # one reply per answer: the engine times each answer
+            conn.send(safely(grade, *job))
 
 
 class Graders:
-    """`workers` grader processes, or 0: grade in the caller, in poll(), with no time limit.
-    submit() queues an answer; poll() -> [(key, reward, failed)] done since."""
+    """`workers` grader processes. submit() queues an answer; poll() sends each idle worker its
+    share of the queue in one message and -> [(key, reward, failed)] done since. An answer's clock
+    starts when its worker reaches it: its batch is sent, or the answer before it comes back."""
 
     def __init__(self, grade, workers=2, timeout_s=5.0):
-        self.grade, self.timeout_s, self.workers = grade, timeout_s, workers
+        self.grade, self.timeout_s = grade, timeout_s
         self.ctx = multiprocessing.get_context("spawn")  # the engine's process has threads: no fork
-        self.busy, self.queue = {}, deque()  # busy: (process, pipe) -> (key, start time)
-        self.idle = [self.start() for _ in range(workers)]
+        self.queue = deque()  # (key, text, answer) not sent yet
+        self.pool = [self.start() for _ in range(workers)]
 
     def start(self):
         conn, theirs = self.ctx.Pipe()
         proc = self.ctx.Process(target=_grade_forever, args=(theirs, self.grade), daemon=True)
         proc.start()
-        return proc, conn
+        return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}  # jobs: sent, ungraded
+
+    @property
+    def busy(self):
+        return bool(self.queue) or any(w["jobs"] for w in self.pool)
 
     def submit(self, key, text, answer):
-        self.queue.append((key, (text, answer)))
+        self.queue.append((key, text, answer))
+
+    def wait(self, timeout):  # until a grade comes back, at most timeout seconds
+        conns = [w["conn"] for w in self.pool if w["jobs"]]
+        if conns:
+            multiprocessing.connection.wait(conns, timeout)
 
     def poll(self):
-        done = []
-        while not self.workers and self.queue:
-            key, job = self.queue.popleft()
-            done.append((key, *safely(self.grade, *job)))
-        now = time.monotonic()
-        for (proc, conn), (key, t0) in list(self.busy.items()):
-            if conn.poll():
-                done.append((key, *conn.recv()))
-                self.idle.append((proc, conn))
-            elif now - t0 > self.timeout_s or not proc.is_alive():  # stuck or dead: replace it
-                proc.kill()
-                proc.join()
-                done.append((key, 0.0, True))
-                self.idle.append(self.start())
-            else:
-                continue
-            del self.busy[proc, conn]
-        while self.idle and self.queue:
-            key, job = self.queue.popleft()
-            w = self.idle.pop()
-            w[1].send(job)
-            self.busy[w] = (key, now)
+        done, now = [], time.monotonic()
+        for n, w in enumerate(self.pool):
+            try:
+                while w["jobs"] and w["conn"].poll():
+                    done.append((w["jobs"].popleft()[0], *w["conn"].recv()))
+                    w["since"] = now
+            except (EOFError, OSError):  # it died: the answer it was on fails, like a stuck one
+                w["since"] = -self.timeout_s
+            if w["jobs"] and now - w["since"] > self.timeout_s:
+                w["proc"].kill()
+                w["proc"].join()
+                done.append((w["jobs"].popleft()[0], 0.0, True))
+                self.queue.extendleft(reversed(w["jobs"]))  # the rest of its batch, first again
+                self.pool[n] = self.start()
+        idle = [w for w in self.pool if not w["jobs"]]
+        for k, w in enumerate(idle):  # an even share each: the queue is spread over the pool
+            share = -(-len(self.queue) // (len(idle) - k))
+            if not share:
+                break
+            w["jobs"].extend(self.queue.popleft() for _ in range(share))
+            w["since"] = now
+            with suppress(OSError):  # it died idle: the next poll replaces it
+                w["conn"].send([job[1:] for job in w["jobs"]])
         return done
 
     def close(self):
-        for proc, _ in self.idle + list(self.busy):
-            proc.kill()
+        for w in self.pool:
+            w["proc"].kill()

@@ -1,10 +1,11 @@
 """
 rollout.py: one process per vLLM engine, stepped by hand and never waiting for the trainer. Between
 two engine steps it loads announced weights (requests in flight go on; each token is tagged with
-the version that computed it), admits groups under the staleness bound, hands answers to grader
-processes and sends graded groups to trainer rank 0. Engine 0 also runs the greedy eval.
-Simplifications: the engine core runs in this process; a group is n=1 requests sharing their
-prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated distribution).
+the version that computed it), admits groups under the staleness bound, hands finished answers to
+grader processes and sends graded groups to trainer rank 0. Engine 0 also runs the greedy evals.
+Simplifications: the engine core runs in this process (on a GPU, vLLM's async scheduling keeps the
+device busy while this loop works); a group is n=1 requests sharing their prompt's KV cache; no
+top-k/top-p (the logprobs would be of a truncated distribution); no speculative decoding.
 """
 import ctypes
 import json
@@ -66,6 +67,7 @@ def spawn(cfg, engine_gpus):
     """One rollout process per engine; they must not take themselves for torchrun ranks."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # vLLM workers import sync
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in-process: what tag() relies on
     if spec := cfg["rollout_cpus"]:
         env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(cpus(spec))))
     return [subprocess.Popen([sys.executable, f"{ROOT}/rollout.py", json.dumps(cfg), str(e)],
@@ -81,30 +83,38 @@ def format_prompt(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def make_llm(cfg, device, **extra):  # the engine, here and in bench.py
+def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
     from vllm import LLM
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
-    # async_scheduling off: step() returns the tokens computed in it. processed_logprobs: those of
-    # the distribution actually sampled. Prefix caching shares whole blocks: at the CPU default of
-    # 128 tokens a group's samples would each recompute their prompt
-    return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"],
+    # room for all admission allows and engine 0's eval; CUDA graphs for the training sequences
+    train = cfg["rollout_groups"] * cfg["group_size"]
+    seqs, capture = train + (cfg["eval_n"] if e == 0 else 0), {"max_cudagraph_capture_size": train}
+    graphs = {} if device == "cpu" else {"compilation_config": capture}
+    # processed_logprobs: those of the distribution actually sampled. Prefix caching shares whole
+    # blocks: at the CPU default of 128 tokens a group's samples would each recompute their prompt
+    return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"] + e,
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
-               gpu_memory_utilization=cfg["gpu_memory_utilization"], async_scheduling=False,
+               gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
                tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
-               enable_prefix_caching=True, block_size=32 if device == "cpu" else None, **extra)
+               enable_prefix_caching=True, block_size=32 if device == "cpu" else None,
+               **graphs, **extra)
 
 
-def take_ticket(store, version, v0, cfg):
-    """The staleness bound, one budget for all engines. Batch k is trained at version k, so a group
-    admitted at version v is at most max_staleness old when trained iff fewer than (v - v0 +
-    max_staleness + 1) * batch_groups were admitted since the run began at v0, not counting
-    discarded ones (flat: counted by engines; stale: by the trainer)."""
+def take_tickets(store, want, version, v0, cfg):
+    """The staleness bound, one budget for all engines: batch k is trained at version k, so a group
+    admitted at version v is at most max_staleness old then iff at most (v - v0 + max_staleness + 1)
+    * batch_groups were admitted since v0, less those discarded (flat or stale). -> how many."""
     allowed = (version - v0 + cfg["max_staleness"] + 1) * cfg["batch_groups"]
-    if store.add("admitted", 1) <= allowed + store.add("flat", 0) + store.add("discarded", 0):
-        return True
-    store.add("admitted", -1)  # over: give it back (another engine may briefly see one too many)
-    return False
+    over = min(want, max(0, store.add("admitted", want) - allowed))
+    if over:  # give those back (another engine may briefly see a few too many)
+        store.add("admitted", -over)
+    return want - over
+
+
+def tag(starts, n):
+    """Each of n tokens' version from starts [(version, first token it computed)], in order."""
+    return [next(v for v, i in reversed(starts) if i <= t) for t in range(n)]
 
 
 class Rollout:
@@ -113,13 +123,15 @@ class Rollout:
     def __init__(self, cfg, e):
         import torch
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind as Kind
+        from vllm.sampling_params import RequestOutputKind
         self.cfg, self.e, self.parent = cfg, e, os.getppid()
-        self.llm = make_llm(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-        self.engine, tok = self.llm.llm_engine, self.llm.get_tokenizer()
+        self.llm = make_llm(cfg, "cuda" if torch.cuda.is_available() else "cpu", e)
+        self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
+        # steps launched but not yet returned by step(): 1 with async scheduling, else 0
+        self.lag = self.engine.vllm_config.max_concurrent_batches - 1
         train_set, self.eval_set = reward.load_task(cfg)
         for p in train_set + self.eval_set:
-            p["ids"] = list(format_prompt(tok, p["prompt"]))
+            p["ids"] = list(format_prompt(self.tok, p["prompt"]))
         room = cfg["max_model_len"] - cfg["max_new_tokens"]  # a longer prompt leaves none to answer
         fits = lambda problems: [p for p in problems if len(p["ids"]) <= room]
         self.train_set, self.eval_set = fits(train_set), fits(self.eval_set)
@@ -138,12 +150,15 @@ class Rollout:
         start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]
-        self.sample = SamplingParams(n=1, temperature=cfg["temperature"], logprobs=0,
-                                     max_tokens=cfg["max_new_tokens"], output_kind=Kind.DELTA)
-        self.greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg["max_new_tokens"],
-                                     output_kind=Kind.FINAL_ONLY)
-        self.groups, self.evals, self.perm, self.inbox = {}, {}, {}, queue.Queue()
-        self.pending, self.retry_at, self.n_groups, self.eval_correct = None, 0.0, 0, 0
+        # only finished answers, undecoded (step() decodes each once), logprobs in flat lists
+        quiet = dict(n=1, max_tokens=cfg["max_new_tokens"], detokenize=False, flat_logprobs=True,
+                     output_kind=RequestOutputKind.FINAL_ONLY)
+        self.sample = SamplingParams(temperature=cfg["temperature"], logprobs=0, **quiet)
+        self.greedy = SamplingParams(temperature=0.0, logprobs=0, **quiet)
+        self.groups, self.perm, self.inbox = {}, {}, queue.Queue()
+        self.starts = {}  # request id -> [(version, index of the first token it computed)]
+        self.evals = {}  # engine 0's evals in progress, by version: groups of their own
+        self.pending, self.retry_at, self.n_groups = None, 0.0, 0
         self.idle = ""  # borrow_cpus: our mark in the store (mark_idle)
         threading.Thread(target=self.receive, daemon=True).start()
 
@@ -155,13 +170,15 @@ class Rollout:
         except Exception as e:
             self.inbox.put(e)
 
-    def messages(self):
-        """Take what the trainer sent; block briefly only if there is nothing to do. False: stop."""
+    def messages(self):  # what the trainer sent; idle, wait briefly for it or a grade. False: stop
+
         block = not self.engine.has_unfinished_requests()
-        wait = 0.005 if self.graders.busy else 0.05  # grades due: neither spin nor oversleep
+        if block and self.graders.busy:
+            self.graders.wait(0.05)  # wakes at the first grade
+            block = False
         while True:
             try:
-                v = self.inbox.get(block, wait)
+                v = self.inbox.get(block, 0.05)
             except queue.Empty:
                 return True
             if isinstance(v, Exception):
@@ -173,97 +190,99 @@ class Rollout:
     def add(self, rid, ids, params):  # the salt: no prefix-cache hit on an older version's KV
         self.engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"},
                                 params)
+        self.starts[rid] = [(self.version, 0)]
 
     def post(self, msg):
         self.counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         sync.send_obj(self.traj, {**msg, "engine": self.e, **self.counters}, 0)
 
-    def load(self):  # every vLLM worker receives the new weights itself (sync.load)
+    def load(self):
+        """Every vLLM worker receives the new weights itself (sync.load). A request's tokens from
+        here on are the new version's, but for `lag` of a step launched before: tagged old."""
         t0 = time.perf_counter()
         self.llm.collective_rpc(sync.load)
         self.llm.reset_prefix_cache()  # a no-op while requests hold blocks: the salt covers that
         self.version, self.pending, self.retry_at = self.pending, None, 0.0
+        for r in self.engine.output_processor.request_states.values():  # requests in flight
+            self.starts[r.external_req_id].append(
+                (self.version, r.detokenizer.num_output_tokens() + self.lag))
         self.counters["rollout_load_s"] += time.perf_counter() - t0
         every, v = self.cfg["eval_every"], self.version
         if self.e == 0 and every and (v % every == 0 or v == self.cfg["max_steps"]):
             self.start_eval()
 
-    def start_eval(self):  # the next load waits for it: an eval sees one version
-        for p in self.eval_set:
-            self.evals[rid := f"eval-{self.version}-{p['id']}"] = p
-            self.add(rid, p["ids"], self.greedy)
+    def start_eval(self):  # a group of its own, beside the training groups, across loads
+        n, gid = len(self.eval_set), f"eval{self.version}"
+        self.evals[gid] = {"version": self.version, "problems": self.eval_set, "comps": [None] * n,
+                           "left": 2 * n}
+        for j, p in enumerate(self.eval_set):
+            self.add(f"{gid}/{j}", p["ids"], self.greedy)
 
     def admit(self):
-        """Start new groups while the shared staleness budget allows. Stream position k (shared by
-        the engines) is problem perm[k mod N], perm a seeded shuffle for epoch k // N."""
-        if self.evals and self.pending is not None:  # every engine waits in the load for this eval
+        """New groups while the staleness budget allows: a round trip for tickets, one for the
+        positions. Stream position k (shared by all engines) is problem perm[k mod N], seeded."""
+        want, N = self.cfg["rollout_groups"] - len(self.groups), len(self.train_set)
+        if want <= 0 or time.monotonic() < self.retry_at:
             return
-        n, N = self.cfg["group_size"], len(self.train_set)
-        while len(self.groups) < self.cfg["rollout_groups"] and time.monotonic() >= self.retry_at:
-            if not take_ticket(self.store, self.version, self.v0, self.cfg):
-                self.retry_at = time.monotonic() + 0.01  # the budget grows with a load or a discard
-                return
-            while (k := self.first + self.store.add("pos", 1) - 1) in self.done:
-                pass  # trained before the checkpoint we resumed from
+        got = take_tickets(self.store, want, self.version, self.v0, self.cfg)
+        if got < want:
+            self.retry_at = time.monotonic() + 0.01  # the budget grows with a load or a discard
+        positions = []
+        while len(positions) < got:  # skip those trained before the checkpoint we resumed from
+            n = got - len(positions)
+            end = self.first + self.store.add("pos", n)
+            positions += [k for k in range(end - n, end) if k not in self.done]
+        for k in positions:
             epoch, i = divmod(k, N)
             if epoch not in self.perm:
                 rng = random.Random(f"{self.cfg['seed']}/{epoch}")
                 self.perm = {epoch: rng.sample(range(N), N)}
             problem, gid = self.train_set[self.perm[epoch][i]], f"g{self.n_groups}"
             self.n_groups += 1
-            self.groups[gid] = {"pos": k, "problem": problem, "left": 2 * n,  # to finish, to grade
-                                "comps": [{"ids": [], "logprobs": [], "versions": [], "text": ""}
-                                          for _ in range(n)]}
-            for i in range(n):
-                self.add(f"{gid}/{i}", problem["ids"], self.sample)
+            n = self.cfg["group_size"]
+            self.groups[gid] = {"pos": k, "problems": [problem] * n, "comps": [None] * n,
+                                "left": 2 * n}  # answers to finish, then to grade
+            for j in range(n):
+                self.add(f"{gid}/{j}", problem["ids"], self.sample)
 
     def step(self):
-        """One engine step; each new token is tagged with the version loaded now."""
-        for out in self.engine.step():
-            o, rid = out.outputs[0], out.request_id
-            if rid in self.evals:
-                if out.finished:
-                    self.graders.submit(rid, o.text, self.evals[rid]["answer"])
-                continue
-            gid, i = rid.rsplit("/", 1)
-            g = self.groups[gid]
-            c = g["comps"][int(i)]
-            c["ids"] += o.token_ids
-            c["logprobs"] += [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]
-            c["versions"] += [self.version] * len(o.token_ids)
-            c["text"] += o.text
-            if out.finished:  # to a grader process; the engine steps on meanwhile
-                c["cut"] = o.finish_reason == "length"
-                self.graders.submit(rid, c["text"], g["problem"]["answer"])
-                g["left"] -= 1
+        """One engine step; the answers it finished go to the graders."""
+        for out in self.engine.step():  # finished requests only
+            o, rid, (gid, i) = out.outputs[0], out.request_id, out.request_id.rsplit("/", 1)
+            g, text = self.group(gid), self.tok.decode(o.token_ids, skip_special_tokens=True)
+            g["comps"][int(i)] = {"ids": list(o.token_ids), "logprobs": o.logprobs.logprobs,
+                                  "versions": tag(self.starts.pop(rid), len(o.token_ids)),
+                                  "text": text, "cut": o.finish_reason == "length"}
+            self.graders.submit(rid, text, g["problems"][int(i)]["answer"])
+            g["left"] -= 1
+
+    def group(self, gid):
+        return self.groups.get(gid) or self.evals[gid]
 
     def grades(self):
         """Rewards from the graders; a group whose answers are all graded goes to the trainer."""
         for rid, r, failed in self.graders.poll():
             self.counters["reward_failed"] += failed
-            if self.evals.pop(rid, None):
-                self.eval_correct += r == 1
-                if not self.evals:
-                    n = len(self.eval_set)
-                    self.post({"kind": "eval", "version": self.version, "eval_n": n,
-                               "eval_accuracy": self.eval_correct / n})
-                    self.eval_correct = 0
-                continue
             gid, i = rid.rsplit("/", 1)
-            g = self.groups[gid]
+            g = self.group(gid)
             g["comps"][int(i)]["reward"] = r
             g["left"] -= 1
             if not g["left"]:
-                self.send(self.groups.pop(gid))
+                self.send(self.groups.pop(gid, None) or self.evals.pop(gid))
 
     def send(self, g):
-        from buffer import is_flat
         versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
-        msg = {"kind": "group", "pos": g["pos"], "prompt": g["problem"]["prompt"],
-               "prompt_ids": g["problem"]["ids"], "completions": g["comps"],
+        if "version" in g:  # an eval: the weights its tokens came from span these versions
+            n = len(g["comps"])
+            return self.post({"kind": "eval", "version": g["version"], "eval_n": n,
+                              "eval_accuracy": sum(c["reward"] == 1 for c in g["comps"]) / n,
+                              "eval_versions": [min(versions), max(versions)]})
+        problem = g["problems"][0]
+        msg = {"kind": "group", "pos": g["pos"], "prompt": problem["prompt"],
+               "prompt_ids": problem["ids"], "completions": g["comps"],
                "version_min": min(versions), "version_max": max(versions)}
-        if self.cfg["drop_flat"] and is_flat(msg):  # the trainer will skip it: replace it now
-            self.store.add("flat", 1)
+        if self.cfg["drop_flat"] and reward.is_flat(msg):  # the trainer skips it: replace it now
+            self.store.add("admitted", -1)
         self.counters["rollout_tokens"] += sum(len(c["ids"]) for c in g["comps"])
         self.mark_idle()  # before the trainer can see this group and look
         self.post(msg)
@@ -287,7 +306,7 @@ class Rollout:
         while self.messages():
             if os.getppid() != self.parent:
                 raise RuntimeError("the trainer process is gone")
-            if self.pending is not None and not self.evals:
+            if self.pending is not None:  # never waits for an eval
                 self.load()
             self.admit()
             self.mark_idle()

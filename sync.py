@@ -198,11 +198,13 @@ def _receive(store, pg, bufs, buckets, device, colocate):  # bucket k + 1 comes 
 
 
 def load(worker):
+    from vllm.config import set_current_vllm_config
     s = worker.nanoasync
     cuda = s["device"].type == "cuda"
     if cuda:
         torch.cuda.synchronize()  # no forward pass still reads the old weights
-    worker.model_runner.reload_weights(weights_iterator=_receive(**s))
+    with set_current_vllm_config(worker.vllm_config):  # as vLLM's own reloads (quantized layers)
+        worker.model_runner.reload_weights(weights_iterator=_receive(**s))
     model = worker.model_runner.get_model()
     if not cuda and getattr(model.config, "tie_word_embeddings", False):
         # the CPU backend pre-packs lm_head for its GEMM: re-pack it from the new tied weight

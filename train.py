@@ -49,14 +49,10 @@ micro_batch_groups = 1  # prompt groups per forward/backward
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
 max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
-adv_norm_std = False  # divide advantages by the group's reward std
 is_level = "sequence"  # importance weight per "sequence" (geometric mean) or "token" (loss.py)
 is_mode = "mask"  # "mask": no loss outside [is_low, is_high]; "truncate": at most is_high
 is_low = 0.125
 is_high = 3.0
-is_age_tighten = 0.0  # > 0: the bounds ** 1 / (1 + is_age_tighten * age)
-overlong = "keep"  # answers cut at max_new_tokens: "keep", "mask" (no loss) or "penalty"
-overlong_buffer = 16  # "penalty": the last this many tokens cost up to 1
 eval_every = 5  # greedy held-out eval every this many versions, at the start and end; 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines, each on tensor_parallel_size GPUs after the trainer ranks'
@@ -65,7 +61,6 @@ colocate = False  # one GPU for the trainer and vLLM; weights pass through share
 rollout_groups = 32  # most prompt groups in flight in one engine
 rollout_dtype = "float32"  # vLLM weights and compute
 trainer_dtype = "float32"  # FSDP2 compute; master weights and gradient reduction stay float32
-trainer_threads = 0  # CPU threads per trainer rank; 0 = OMP_NUM_THREADS
 rollout_cpus = ""  # CPU: vLLM's cores, e.g. "1" or "2-3"; the trainer ranks keep the rest
 borrow_cpus = True  # CPU, one rank: train on vLLM's cores too while every engine waits
 max_model_len = 512
@@ -76,7 +71,7 @@ bucket_mb = 64  # weight push bucket size
 rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
 reward_timeout_s = 5.0  # a grade running longer is killed and scores 0 (reward_failed)
-grader_workers = 2  # grader processes per engine; 0 = grade in the engine loop, no time limit
+grader_workers = 2  # grader processes per engine
 max_bad_steps = 3  # NaN/inf gradients in a row (each step skipped) that stop the run
 wandb_log = False  # also log to Weights & Biases (WANDB_MODE=offline needs no network)
 wandb_project = "nanoasync"
@@ -100,8 +95,7 @@ engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
 torch.manual_seed(seed)
-torch.set_num_threads(trainer_threads or torch.get_num_threads())
-threads = torch.get_num_threads()
+threads = torch.get_num_threads()  # OMP_NUM_THREADS (torchrun's default: 1)
 
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
@@ -171,17 +165,12 @@ def micro_batch(groups, step, n_tok):
     logp, mask, positions = L.token_logprobs(policy, groups, temperature, device, n_chunks=n_chunks)
     comps, W = [c for g in groups for c in g["completions"]], logp.shape[1]
     pad = lambda key: torch.tensor([c[key] + [0] * (W - len(c[key])) for c in comps], device=device)
-    per_comp = lambda key: torch.tensor([c[key] for c in comps], device=device)
-    behav, cut = pad("logprobs"), per_comp("cut")
-    rewards = L.overlong_rewards(per_comp("reward"), mask.sum(1), cut, max_new_tokens, overlong,
-                                 overlong_buffer)
-    adv = L.group_advantages(rewards, group_size, adv_norm_std)
-    mask = mask * ~cut[:, None] if overlong == "mask" else mask
-    age = (step - pad("versions")) * mask
-    loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok, age, is_level, is_mode, is_low,
-                                is_high, is_age_tighten)
+    behav, rewards = pad("logprobs"), torch.tensor([c["reward"] for c in comps], device=device)
+    adv = L.group_advantages(rewards, group_size)
+    loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok, is_level, is_mode, is_low, is_high)
+    fresh = pad("versions") == step  # sampled by the weights being trained
     (loss * world).backward()  # FSDP averages over ranks; the loss is already a global token mean
-    return metrics.token_sums(loss, bounded, logp, behav, mask, age == 0, positions)
+    return metrics.token_sums(loss, bounded, logp, behav, mask, fresh, positions)
 
 
 version = step = start
@@ -195,8 +184,7 @@ try:
         if master and not stop_signal:
             try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive)
-                n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"]  # flat ones too
-                            if not (overlong == "mask" and c["cut"]))
+                n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"])  # flat too
                 batch = buf.split(buf.worth_a_forward(groups, world), world), n_tok
             except buf.Stopped:
                 pass

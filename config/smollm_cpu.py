@@ -20,7 +20,6 @@ rollout_groups = 16
 # them bf16 matmuls are emulated, ~60x slower): grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo
 rollout_dtype = "float32"
 trainer_dtype = "float32"
-trainer_threads = 1
 # vLLM on core 1, the trainer on core 0, and on core 1 too while vLLM waits (borrow_cpus)
 rollout_cpus = "1"
 micro_batch_groups = 2

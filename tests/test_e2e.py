@@ -108,19 +108,16 @@ reward.grade_number = functools.wraps(slow)(
 
 def test_a_slow_grader_does_not_stall_the_engine(tiny, tmp_path):
     """Every answer takes 50 ms to grade (a sitecustomize module slows the grader in every process
-    of the run). With grader processes the engine loop spends under 10% of its stepping time on
-    grades; graded in the loop itself (grader_workers=0) it would wait on every one of them."""
+    of the run): the engine loop spends under 10% of its stepping time on grades, where waiting for
+    each one would take more time than stepping (the loop makes a batch's 16 answers in a few
+    steps of a few ms)."""
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_GRADER)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'hook'}{os.pathsep}{ROOT}")
-    share = {}
-    for workers in (2, 0):
-        steps, _, _ = train(tmp_path / str(workers), "--max_steps=3", f"--grader_workers={workers}",
-                            env=env)
-        m = steps[-1]
-        share[workers] = m["rollout_grade_s"] / m["rollout_engine_s"]
-        assert m["reward_failed"] == 0 and m["rollout_tokens"] > 0
-    assert share[2] < 0.1 < share[0], share
+    steps, _, _ = train(tmp_path / "run", "--max_steps=3", env=env)
+    m = steps[-1]
+    assert m["reward_failed"] == 0 and m["rollout_tokens"] > 0
+    assert m["rollout_grade_s"] < 0.1 * m["rollout_engine_s"], m
 
 
 def test_synchronous_run_is_on_policy(sync_run):

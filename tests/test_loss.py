@@ -1,15 +1,12 @@
 import pytest
 import torch
 
-from loss import group_advantages, grpo_loss, overlong_rewards
+from loss import group_advantages, grpo_loss
 
 
-def test_group_advantages_mean_and_std():
+def test_group_advantages_are_rewards_minus_the_group_mean():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0]), 2)
     assert adv.tolist() == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
-    adv = group_advantages(torch.tensor([1.0, 0.0]), 2, norm_std=True)
-    # std of [1, 0] = sqrt(0.5)
-    assert adv.tolist() == pytest.approx([0.5 / 0.5**0.5, -0.5 / 0.5**0.5], rel=1e-5)
 
 
 def one_token(adv, ratio, **kw):
@@ -40,43 +37,32 @@ def test_truncated_importance_weights(adv, ratio, want_loss, want_grad, truncate
     assert truncated_mask.sum().item() == truncated
 
 
-def settings(level, mode, tighten=0.0):
-    """Two completions of two tokens, with hand-picked ratios and ages; -> (loss, grad, bounded)."""
+def settings(level, mode):
+    """Two completions of two tokens, with hand-picked ratios; -> (loss, grad, bounded)."""
     rho = torch.tensor([[4.0, 0.1], [1.5, 2.0]])
     logp = torch.zeros(2, 2, requires_grad=True)
-    age = torch.tensor([[0.0, 0.0], [2.0, 2.0]])
     loss, bounded = grpo_loss(logp, -rho.log(), torch.tensor([1.0, -1.0]), torch.ones(2, 2), 4.0,
-                              age, level, mode, low=0.2, high=3.0, tighten=tighten)
+                              level, mode, low=0.2, high=3.0)
     loss.backward()
     return loss.item(), logp.grad, bounded.int().tolist()
 
 
-@pytest.mark.parametrize("level, mode, tighten, w, bounded", [
-    # token, truncate (the default): min(rho, 3)
-    ("token", "truncate", 0.0, [[3.0, 0.1], [1.5, 2.0]], [[1, 0], [0, 0]]),
+@pytest.mark.parametrize("level, mode, w, bounded", [
+    # token, truncate: min(rho, 3)
+    ("token", "truncate", [[3.0, 0.1], [1.5, 2.0]], [[1, 0], [0, 0]]),
     # token, mask: rho inside [0.2, 3], else 0
-    ("token", "mask", 0.0, [[0.0, 0.0], [1.5, 2.0]], [[1, 1], [0, 0]]),
-    # sequence: the geometric mean, sqrt(4 * 0.1) = 0.632 and sqrt(1.5 * 2) = 1.732, inside [0.2, 3]
-    ("sequence", "mask", 0.0, [[0.4**0.5] * 2, [3**0.5] * 2], [[0, 0], [0, 0]]),
-    # age 2 with tighten 1: the bounds become 3 ** (1/3) = 1.442 and 0.2 ** (1/3) = 0.585
-    ("token", "truncate", 1.0, [[3.0, 0.1], [3 ** (1 / 3)] * 2], [[1, 0], [1, 1]]),
-    ("sequence", "mask", 1.0, [[0.4**0.5] * 2, [0.0, 0.0]], [[0, 0], [1, 1]]),
+    ("token", "mask", [[0.0, 0.0], [1.5, 2.0]], [[1, 1], [0, 0]]),
+    # sequence (the default): the geometric mean, sqrt(4 * 0.1) = 0.632 and sqrt(1.5 * 2) = 1.732,
+    # inside [0.2, 3]
+    ("sequence", "mask", [[0.4**0.5] * 2, [3**0.5] * 2], [[0, 0], [0, 0]]),
 ])
-def test_staleness_settings_by_hand(level, mode, tighten, w, bounded):
-    loss, grad, got = settings(level, mode, tighten)
+def test_staleness_settings_by_hand(level, mode, w, bounded):
+    loss, grad, got = settings(level, mode)
     w = torch.tensor(w)
     adv = torch.tensor([[1.0], [-1.0]])
     assert loss == pytest.approx((-adv * w).sum().item() / 4, rel=1e-5)
     assert torch.allclose(grad, -adv * w / 4, rtol=1e-5)
     assert got == bounded
-
-
-def test_overlong_penalty():
-    r = overlong_rewards(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([10, 52, 60, 64]),
-                         torch.tensor([False, False, False, True]), 64, "penalty", 16)
-    assert r.tolist() == pytest.approx([1.0, 0.75, 0.25, -1.0])  # (64 - 16) = 48 tokens are free
-    assert overlong_rewards(r, torch.tensor([64] * 4), torch.ones(4, dtype=torch.bool), 64,
-                            "mask", 16) is r
 
 
 def test_token_level_normalisation():

@@ -79,8 +79,26 @@ def test_a_raising_or_hanging_grader_scores_zero_and_is_counted():
     assert grade_all(graders, ["42"] * 4) == [(0.0, True)] * 4
     assert time.time() - t0 < 10
     graders.close()
-    assert grade_all(reward.Graders(reward.grade_number, workers=0), ["42", "41"]) == \
-        [(1.0, False), (0.0, False)]
+
+
+def test_graders_take_many_answers_per_round_without_spinning():
+    """1,000 answers at once, collected by a loop that stands in for the engine's (a 10 ms step,
+    then Graders.wait and poll): each worker gets its share in one message and sends every grade
+    back as it is done, so a round collects many grades. The loop never spins on an empty poll."""
+    graders = reward.Graders(reward.grade_number, workers=2, timeout_s=5.0)
+    for i in range(1000):
+        graders.submit(i, f"{i} + 1 = {i + 1}", str(i + 1))
+    got, rounds, empty = {}, 0, 0
+    while len(got) < 1000:
+        time.sleep(0.01)
+        graders.wait(1.0)
+        done = graders.poll()
+        got.update({k: (r, failed) for k, r, failed in done})
+        rounds, empty = rounds + 1, empty + (not done)
+    assert not graders.busy
+    graders.close()
+    assert all(got[i] == (1.0, False) for i in range(1000))
+    assert rounds < 100 and empty <= 2, (rounds, empty)  # one answer per worker a round: 500
 
 
 def test_arithmetic_keeps_eval_out_of_training():
