@@ -18,6 +18,7 @@ eval_every = 20
 eval_n = 500
 colocate = True
 rollout_groups = 32
+grader_workers = 4  # per engine: ~1,400 math-verify grades/s, ~14x its answers (results log)
 rollout_dtype = "bfloat16"
 trainer_dtype = "bfloat16"
 activation_checkpointing = True
