@@ -171,7 +171,6 @@ class Rollout:
             self.inbox.put(e)
 
     def messages(self):  # what the trainer sent; idle, wait briefly for it or a grade. False: stop
-
         block = not self.engine.has_unfinished_requests()
         if block and self.graders.busy:
             self.graders.wait(0.05)  # wakes at the first grade
