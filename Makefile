@@ -15,6 +15,7 @@ setup: .venv/.installed
 demo: setup
 	$(PY) prepare.py smollm2
 	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_cpu.py
+	$(PY) bench.py --plot out/smollm_cpu
 
 test: setup
 	$(PY) prepare.py tiny

@@ -8,6 +8,9 @@ line.
                                    # (pip install trl)
   python bench.py --engine         # the engine loop's generation tokens/s against vLLM alone, and
                                    # where the loop's time goes (pip install py-spy); --runs=N
+  python bench.py --plot OUT_DIR   # OUT_DIR/curves.png from its metrics.jsonl (pip matplotlib)
+  python bench.py --gpu            # the whole GPU path in minutes, on whatever GPUs are here
+                                   # (none: the same runs on CPU); see gpu_check()
   torchrun --nproc_per_node=1 bench.py --trainer
                                    # the trainer step alone, no vLLM: the 1.5B recipe's shape in
                                    # bf16 on a GPU, a small model in fp32 on CPU
@@ -133,8 +136,8 @@ if __name__ == "__main__":
         max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5, tensor_parallel_size=1,
         kv_cache_gb=1, rollout_groups=1, group_size=4, eval_n=0)
     llm = rollout.make_llm(cfg, "cpu")
-    store = sync.open_store(port, False, 60)
-    llm.collective_rpc(sync.join, args=(port, 1, 2, cfg))
+    store = sync.open_store("127.0.0.1", port, False, 60)
+    llm.collective_rpc(sync.join, args=(dict(cfg, host="127.0.0.1", engines=1), 1))
     for i in range({repeats}):
         store.wait([f"push{{i}}"]); llm.collective_rpc(sync.load)
         store.wait([f"raw{{i}}"]); llm.collective_rpc(raw, args=(int(store.get("numel")),))
@@ -147,7 +150,7 @@ if __name__ == "__main__":
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = sync.open_store(port, True, 60)
+    store = sync.open_store("127.0.0.1", port, True, 60)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -517,11 +520,114 @@ def grading():
     print(json.dumps(out))
 
 
+def gpu_check():
+    """One command for a machine with GPUs: the tiny model and SmolLM2 (when data/smollm2-135m is
+    there: `python prepare.py smollm2`) in fp32 and bf16, 6 steps at eta = 1 (so loads land during
+    generation), colocated on GPU 0, then with the engine on GPU 1 (the NCCL weight broadcast)
+    where there are >= 2 GPUs. Per run: whether it ran, logprob_mismatch (largest over steps: on
+    completions the trained weights computed entirely), generation tokens/s in the loop, seconds
+    per push, peak memory per GPU (nvidia-smi, sampled every 0.5 s). No GPU: the tiny model on CPU,
+    colocated through /dev/shm and separate over gloo, to check this command itself."""
+    import threading
+    try:
+        smi = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        n_gpus = len(subprocess.run(smi, capture_output=True, text=True).stdout.split())
+    except FileNotFoundError:
+        n_gpus = 0
+    smollm = n_gpus and os.path.isdir(f"{ROOT}/data/smollm2-135m")
+    models = {"tiny": "config/tiny.py", **({"smollm": "config/smollm_cpu.py"} if smollm else {})}
+    modes = ["colocate"] + (["separate"] if n_gpus != 1 else [])
+    subprocess.run([sys.executable, "prepare.py", "tiny"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL)
+    rows = []
+    for name, config in models.items():
+        for dtype in ("float32", "bfloat16"):
+            for mode in modes:
+                over = [f"--rollout_dtype={dtype}", f"--trainer_dtype={dtype}", "--max_steps=6",
+                        "--max_staleness=1", "--rollout_cpus=", "--eval_every=0",
+                        f"--colocate={mode == 'colocate'}", "--gpu_memory_utilization=0.3"]
+                out = run_dir(f"gpu_{name}_{dtype}_{mode}", [])
+                os.makedirs(out, exist_ok=True)
+                open(os.path.join(out, "metrics.jsonl"), "w").close()
+                peak, done = [0] * n_gpus, threading.Event()
+
+                def watch():  # peak memory per GPU, every process on it
+                    while not done.wait(0.5):
+                        used = subprocess.run(smi, capture_output=True, text=True).stdout.split()
+                        peak[:] = [max(a, int(b)) for a, b in zip(peak, used)]
+                if n_gpus:
+                    threading.Thread(target=watch, daemon=True).start()
+                t0 = time.perf_counter()
+                p = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                                    "--nproc_per_node=1", "train.py", config,
+                                    f"--out_dir={out}", *over],
+                                   cwd=ROOT, capture_output=True, text=True)
+                done.set()
+                steps = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+                         if "loss" in r]
+                row = {"model": name, "dtype": dtype, "mode": mode, "rc": p.returncode,
+                       "wall_s": round(time.perf_counter() - t0, 1), "steps": len(steps)}
+                if steps:
+                    last, whole = steps[-1], [r["logprob_mismatch"] for r in steps
+                                              if r["logprob_mismatch"] is not None]
+                    row.update(logprob_mismatch=max(whole, default=None),
+                               shift_reloaded=max(r["logprob_shift_reloaded"] or 0 for r in steps),
+                               gen_tokens_per_s=round(last["rollout_tokens"]
+                                                      / last["rollout_engine_s"]),
+                               push_s=round(mean([r["t_sync_s"] for r in steps[1:] or steps]), 3),
+                               peak_mb=[round(x) for x in peak
+                                        or (last["trainer_rss_mb"], last["rollout_rss_mb"])])
+                open(os.path.join(out, "stderr.txt"), "w").write(p.stderr)
+                if p.returncode:  # the first line that says what went wrong, and where it all is
+                    said = [x for x in p.stderr.splitlines() if "rror" in x] or ["?"]
+                    row["error"] = f"{said[0][:300]} (all of it: {out}/stderr.txt)"
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    print("\nmodel   dtype     mode      rc  steps  mismatch  reloaded  gen tok/s  push s  peak MB"
+          " (per GPU; no GPU: trainer, rollout RSS)")
+    for r in rows:
+        print(f"{r['model']:7s} {r['dtype']:9s} {r['mode']:9s} {r['rc']:3d} {r['steps']:5d}  "
+              f"{r.get('logprob_mismatch') or 0:8.1e}  {r.get('shift_reloaded') or 0:8.1e}  "
+              f"{r.get('gen_tokens_per_s', 0):9d}  {r.get('push_s', 0):6.3f}  {r.get('peak_mb')}")
+    return int(any(r["rc"] for r in rows))
+
+
+def plot(run_dir):
+    """{run_dir}/curves.png: reward and eval accuracy by samples and time; the trainer's time."""
+    from matplotlib.figure import Figure
+    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_accuracy" in r]
+    at = {r["version"]: r for r in steps}
+    fig = Figure(figsize=(15, 4), layout="tight")
+    ax = fig.subplots(1, 3)
+    for a, x, label in zip(ax, ("samples", "elapsed_s"), ("trained samples", "wall-clock (s)")):
+        a.plot([r[x] for r in steps], [r["reward_mean"] for r in steps], label="train reward")
+        # an eval row has no sample count: take its version's step row's (0 before the first step)
+        ex = [e.get(x, at.get(e["version"], {}).get(x, 0)) for e in evals]
+        a.plot(ex, [e["eval_accuracy"] for e in evals], "o-", label="held-out accuracy (greedy)")
+        a.set(xlabel=label, ylim=(0, 1))
+    keys = ("t_wait_s", "t_train_s", "t_sync_s")
+    for i, key in enumerate(keys):  # stacked
+        ax[2].bar([r["step"] for r in steps], [r[key] for r in steps], label=key[2:-2],
+                  bottom=[sum(r[k] for k in keys[:i]) for r in steps])
+    ax[2].set(xlabel="step", ylabel="trainer seconds")
+    for a in ax:
+        a.legend()
+    fig.suptitle(run_dir)
+    fig.savefig(f"{run_dir}/curves.png", dpi=80)
+    return f"{run_dir}/curves.png"
+
+
+
 if __name__ == "__main__":
+    if "--plot" in sys.argv:
+        sys.exit(print(plot(sys.argv[-1])))
     if "--trainer" in sys.argv:
         sys.exit(trainer_only())
     if "--grading" in sys.argv:
         sys.exit(grading())
+    if "--gpu" in sys.argv:
+        sys.exit(gpu_check())
     if "--engine" in sys.argv:
         sys.exit(engine_bench())
     if "--trl" in sys.argv:

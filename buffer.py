@@ -5,9 +5,12 @@ engines then admit replacements) and optionally flat ones (their engine replaced
 Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission.
 """
 import json
+import os
+import signal
 import sys
 import threading
 import time
+from collections import Counter
 
 import configurator
 import rollout
@@ -16,15 +19,16 @@ from reward import is_flat
 
 
 class Stopped(Exception):
-    """Ctrl-C or SIGTERM (torchrun passes both to every rank): stop at the next step boundary."""
+    """Ctrl-C, SIGTERM (torchrun passes both to all ranks) or a stall: stop at the step boundary."""
 
 
 class Buffer:
-    def __init__(self, max_staleness, drop_flat, on_discard=lambda n: None, timeout_s=0):
+    def __init__(self, max_staleness, drop_flat, on_discard=lambda n: None, stall_s=0):
         self.max_staleness, self.drop_flat, self.on_discard = max_staleness, drop_flat, on_discard
-        self.timeout_s = timeout_s  # > 0: no group for this long means the producer is stuck
+        self.stall_s = stall_s  # > 0: waiting this long with nothing usable stops the run
         self.groups, self.cond, self.error = [], threading.Condition(), None
         self.dropped_stale = self.dropped_flat = 0
+        self.stalled_s, self.since, self.news = 0.0, [], []  # since the last usable group
 
     def put(self, group):
         with self.cond:
@@ -36,32 +40,54 @@ class Buffer:
             self.error = message
             self.cond.notify()
 
-    def get(self, version, n_groups, check_alive=lambda: None):
+    def get(self, version, n_groups, check_alive=lambda: None, report=lambda text, groups: None):
         """-> (n_groups usable groups, every group taken out, seconds waited). check_alive() runs
-        about once a second while waiting and raises if the producer is gone."""
-        batch, seen, waited = [], [], 0.0
+        about once a second while waiting and raises if the producer is gone. A wait reports at
+        least once a minute: a line, and the groups dropped since (for samples.jsonl)."""
+        batch, seen, waited, told = [], [], 0.0, 0.0
         while len(batch) < n_groups:
             with self.cond:
                 t0 = time.perf_counter()
                 while not self.groups and self.error is None:
                     self.cond.wait(timeout=1.0)
+                    t = time.perf_counter() - t0
                     if not self.groups:
                         check_alive()
-                        if self.timeout_s and time.perf_counter() - t0 > self.timeout_s:
-                            self.error = ("no group from the rollout side for "
-                                          f"timeout_s={self.timeout_s} s")
-                waited += time.perf_counter() - t0
+                    if waited + t - told > min(60, self.stall_s / 3 or 60):
+                        report(f"waiting {waited + t:.0f} s for batch {version} ({len(batch)}/"
+                               f"{n_groups} groups), {describe(self.since)}", self.news)
+                        self.news, told = [], waited + t
+                    if self.stall_s and self.stalled_s + t > self.stall_s:
+                        raise Stopped(f"nothing usable came in stall_s={self.stall_s} s "
+                                      f"({describe(self.since)}); try an easier task or a "
+                                      "stronger model, --drop_flat=False, or check that the "
+                                      "grader reads the answers in samples.jsonl")
+                t = time.perf_counter() - t0
+                waited, self.stalled_s = waited + t, self.stalled_s + t
                 if self.error is not None:
                     raise RuntimeError(self.error)
                 seen.append(g := self.groups.pop(0))
             if version - g["version_min"] > self.max_staleness:
                 self.dropped_stale += 1
                 self.on_discard(1)
+                self.drop(g, "stale")
             elif self.drop_flat and is_flat(g):
                 self.dropped_flat += 1
+                self.drop(g, "flat")
             else:
                 batch.append(g)
+                self.stalled_s, self.since = 0.0, []
         return batch, seen, waited
+
+    def drop(self, group, why):
+        self.since.append((why, group["completions"][0]["reward"]))
+        self.news.append(dict(group, dropped=why))
+
+
+def describe(drops):  # [(why, first reward)] -> "3 groups dropped ...: 2 flat at reward 0, 1 stale"
+    kinds = Counter(f"{why} at reward {r:g}" if why == "flat" else why for why, r in drops)
+    return (f"{len(drops)} groups dropped since the last usable one" + ": " * bool(drops)
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
 
 
 def worth_a_forward(groups, world_size):
@@ -72,48 +98,48 @@ def worth_a_forward(groups, world_size):
     return live + flat[:n - len(live)]
 
 
-def split(groups, world_size):  # rank r gets groups r, r + W, r + 2W, ...
-    if len(groups) % world_size:
-        raise ValueError(f"{len(groups)} groups cannot be split evenly over {world_size} ranks")
+def split(groups, world_size):  # rank r gets groups r, r + W, r + 2W, ... (a multiple of W)
     return [groups[r::world_size] for r in range(world_size)]
 
 
 class Rollouts:
-    """Trainer rank 0's end of the rollout processes; other ranks only join sync.push."""
+    """Trainer rank 0's end of the rollout processes of every node; other ranks only join push."""
 
-    def __init__(self, cfg, buckets, device, engine_gpus, ckpt, stop_requested):
-        E, timeout = cfg["rollout_engines"], cfg["timeout_s"]
+    def __init__(self, cfg, buckets, device, engine_gpus, ckpt, stop_requested, nodes=1):
+        self.engines, timeout = cfg["rollout_engines"] * nodes, cfg["timeout_s"]
         self.stop_requested, self.evals, self.stats = stop_requested, [], {}
         self.done, self.next = set(ckpt.get("done", [])), ckpt.get("next", 0)  # positions taken
-        self.procs = []
+        self.procs, host = [], os.environ.get("MASTER_ADDR", "127.0.0.1")
         try:  # port taken, or a rollout process died starting
-            self.store = sync.open_store(cfg["rollout_port"], True, timeout)
+            self.store = sync.open_store(host, cfg["rollout_port"], True, timeout)
             self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
                                                 "next": self.next, "done": sorted(self.done)}))
-            for e in range(E):  # borrow_cpus
-                self.store.set(f"idle{e}", "")
-            self.procs = rollout.spawn(cfg, engine_gpus)
-            sync.wait_for(self.store, [f"joined{e}" for e in range(E)], timeout, self.check_alive)
+            self.procs = rollout.spawn(cfg, engine_gpus, 0, self.engines, host)
+            sync.wait_for(self.store, [f"joined{e}" for e in range(self.engines)], timeout,
+                          self.check_alive)
         except (RuntimeError, TimeoutError) as e:
-            self.kill()
+            kill(self.procs)
             configurator.die(str(e))
-        self.ctl, trajs = sync.connect(self.store, 0, E, timeout)
-        self.sender = sync.Sender(self.store, buckets, cfg, device, E * cfg["tensor_parallel_size"])
+        self.ctl, trajs = sync.connect(self.store, 0, self.engines, timeout)
+        self.sender = sync.Sender(self.store, buckets, cfg, device,
+                                  self.engines * cfg["tensor_parallel_size"])
         # a stale group dropped: the engines may admit a replacement (rollout.take_tickets)
         discard = lambda n: self.store.add("admitted", -n)
-        self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, timeout)
+        self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
-        for traj in trajs:
-            threading.Thread(target=self.receive, args=(traj,), daemon=True).start()
+        self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
+                          for t in trajs]
+        for r in self.receivers:
+            r.start()
 
     def gone(self):  # -> the first rollout process that exited, in words, or None
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
                 return f"rollout process {e} (pid {p.pid}) exited with code {p.returncode}"
 
-    def check_alive(self):
-        if self.stop_requested():
-            raise Stopped()
+    def check_alive(self, stoppable=True):  # not stoppable in a push: every rank must finish it
+        if stoppable and self.stop_requested():
+            raise Stopped(signal.Signals(self.stop_requested()[0]).name)
         if gone := self.gone():
             raise RuntimeError(f"{gone}; its own error is printed above")
 
@@ -163,12 +189,15 @@ class Rollouts:
                   f"{str(error)[:200]}); its own error, if any, is printed above", file=sys.stderr)
         return bool(gone)
 
-    def stop(self, timeout_s):
+    def stop(self, timeout_s):  # every engine, on every node, says bye; then ours exit
         sync.announce(self.ctl, -1)
+        for r in self.receivers:
+            r.join(timeout_s)
         for p in self.procs:
             p.wait(timeout=timeout_s)
 
-    def kill(self):
-        for p in self.procs:
-            p.kill()  # a no-op once it exited
-            p.wait()
+
+def kill(procs):
+    for p in procs:
+        p.kill()  # a no-op once it exited
+        p.wait()

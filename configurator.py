@@ -76,9 +76,6 @@ def check(cfg, world):
             f"use a multiple of {world}")
     if cfg["max_staleness"] < 0:
         die(f"max_staleness={cfg['max_staleness']} must be >= 0 (0 = synchronous)")
-    for key, allowed in (("is_level", ("token", "sequence")), ("is_mode", ("truncate", "mask"))):
-        if cfg[key] not in allowed:
-            die(f"{key}={cfg[key]!r} is not one of {', '.join(allowed)}: pick one")
     if min(cfg["rollout_engines"], cfg["tensor_parallel_size"], cfg["grader_workers"]) < 1:
         die("rollout_engines, tensor_parallel_size and grader_workers must be >= 1")
     cfg = dict(cfg, model=resolve_model(cfg["model"]))

@@ -1,9 +1,8 @@
 """loss.py: the trainer's logprobs of the sampled tokens and the GRPO loss on stale samples:
   A_i   = r_i - mean(r of the group)
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
-  w_t   = rho_t bounded: "truncate" min(rho, high) or "mask" 0 outside [low, high]; per token or
-          per completion (geometric mean)
-  loss  = token mean over the batch of -A_i * sg(w_t) * log pi_theta(y_t)
+  w_i   = the geometric mean of rho_t over completion i, 0 outside [is_low, is_high]
+  loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
 One optimizer step per batch: a PPO clip would never bind on fresh tokens; the bounds act on stale.
 """
 import math
@@ -152,21 +151,17 @@ def group_advantages(rewards, group_size):  # no division by the std (the result
     return (r - r.mean(dim=1, keepdim=True)).reshape(-1)
 
 
-def grpo_loss(logp, behav, adv, mask, n_tokens, level="token", mode="truncate", low=0.0, high=3.0):
+def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
     """logp, behav, mask [B, T]; adv [B]; n_tokens: the whole batch's, so that micro-batches and
     ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
-    log_rho = (logp.detach() - behav) * mask
-    if level == "sequence":  # the completion's mean log ratio
-        log_rho = log_rho.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1) * mask
-    log_hi, log_lo = math.log(high), math.log(max(low, 1e-30))
-    if mode == "truncate":
-        w, bounded = torch.exp(log_rho.clamp(max=log_hi)), log_rho > log_hi
-    else:
-        bounded = (log_rho > log_hi) | (log_rho < log_lo)
-        w = torch.exp(log_rho) * ~bounded
+    # one ratio per completion: its tokens' geometric mean (ahead of per-token ratios on average)
+    n = mask.sum(1, keepdim=True).clamp(min=1)
+    log_rho = ((logp.detach() - behav) * mask).sum(1, keepdim=True) / n
+    bounded = ((log_rho > math.log(high)) | (log_rho < math.log(low))) & (mask > 0)
+    w = torch.exp(log_rho) * ~bounded
     per_tok = -adv.unsqueeze(1) * w * torch.exp(logp - logp.detach())  # value -A w, grad -A w dlogp
-    return (per_tok * mask).sum() / n_tokens, bounded & (mask > 0)
+    return (per_tok * mask).sum() / n_tokens, bounded
 
 
 def shard(net, dtype, checkpointing=False):

@@ -1,24 +1,25 @@
 """metrics.py: rank 0's log: metrics.jsonl (a row per step and per eval), samples.jsonl (a few
-completions a step), the console, wandb (wandb_log) and curves.png (`python metrics.py OUT_DIR`
-redraws it). The README lists the keys worth watching."""
+completions a step, and of dropped groups while the trainer waits), the console and wandb
+(wandb_log); `python bench.py --plot OUT_DIR` draws curves.png. The README lists the keys worth
+watching."""
 import json
 import os
 import resource
-import sys
 import time
 
 # per-token sums each rank adds up over its micro-batches, all-reduced once per step
-SUMS = ("loss", "bounded_fresh", "fresh", "bounded_stale", "stale", "shift_fresh", "shift_stale",
-        "computed", "real")
+SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "shift_stale", "whole",
+        "shift_whole", "computed", "real")
 
 
 def token_sums(loss, bounded, logp, behav, mask, fresh, positions):
     """A micro-batch's share of SUMS; fresh: tokens sampled by the weights being trained."""
     import torch
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
-    shift = (logp.detach() - behav).abs()  # |log rho|; on fresh tokens ~1e-6 in fp32, or bad sync
-    parts = (loss.detach(), bounded & fresh, fresh, bounded & stale, stale, shift * fresh,
-             shift * stale, *torch.tensor(positions, device=logp.device))
+    whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # all by them, tokens and KV cache
+    shift = (logp.detach() - behav).abs()  # |log rho|: ~1e-7 on whole completions in fp32
+    parts = (loss.detach(), fresh, bounded & stale, stale, shift * fresh,
+             shift * stale, whole, shift * whole, *torch.tensor(positions, device=logp.device))
     return torch.stack([x.float().sum() for x in parts])
 
 
@@ -48,7 +49,7 @@ class Log:
         if cfg["wandb_log"]:
             import wandb
             self.wandb = wandb.init(project=cfg["wandb_project"], config=cfg, dir=cfg["out_dir"],
-                                    name=cfg["wandb_run_name"] or None)
+                                    name=cfg["out_dir"])
 
     def state(self):  # for a checkpoint
         return {"samples": self.samples, "gen_tokens": self.gen_tokens,
@@ -63,7 +64,7 @@ class Log:
         """groups: the trained batch; seen: every group taken from the buffer; sums: SUMS."""
         from reward import is_flat
         s, comps = dict(zip(SUMS, sums)), [c for g in groups for c in g["completions"]]
-        engines = range(len(fleet.procs))
+        engines = range(fleet.engines)
         stale = [step - min(c["versions"], default=step) for c in comps]
         self.samples += len(comps)
         self.gen_tokens += sum(len(c["ids"]) for g in seen for c in g["completions"])
@@ -74,9 +75,12 @@ class Log:
              "mixed_version_frac": mean([len(set(c["versions"])) > 1 for c in comps]),
              "flat_frac": mean([is_flat(g) for g in groups]),
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in engines],
-             "loss": s["loss"], "logprob_mismatch": ratio(s["shift_fresh"], s["fresh"]),
+             # the health metric: a jump means the weights or the sampled distribution are wrong
+             "loss": s["loss"], "logprob_mismatch": ratio(s["shift_whole"], s["whole"]),
+             # fresh tokens of completions that lived through a load: old weights made their KV
+             "logprob_shift_reloaded": ratio(s["shift_fresh"] - s["shift_whole"],
+                                             s["fresh"] - s["whole"]),
              "logprob_shift_stale": ratio(s["shift_stale"], s["stale"]),
-             "bounded_frac_fresh": ratio(s["bounded_fresh"], s["fresh"]),
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
              "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
              "stale_token_frac": ratio(s["stale"], s["fresh"] + s["stale"]),
@@ -91,12 +95,20 @@ class Log:
               f"{m['t_wait_s']:.2f}s train {m['t_train_s']:.2f}s sync {m['t_sync_s']:.2f}s",
               flush=True)
         self.write(m, [k for k, v in m.items() if isinstance(v, (int, float))])
-        for g in groups[:2]:
-            for c in g["completions"][:2]:
-                print(json.dumps({"step": step, "prompt": g["prompt"], "completion": c["text"],
-                                  "reward": c["reward"], "versions": sorted(set(c["versions"]))}),
-                      file=self.completions)
+        self.sample(groups[:2], step=step)
         self.evals(fleet.evals)
+
+    def sample(self, groups, **tag):  # samples.jsonl: two answers of each group
+        for g in groups:
+            for c in g["completions"][:2]:
+                print(json.dumps({**tag, "prompt": g["prompt"], "completion": c["text"], "reward":
+                                  c["reward"], "versions": sorted(set(c["versions"]))}),
+                      file=self.completions)
+
+    def waiting(self, text, groups):  # buffer.get: a wait with nothing to train, what it dropped
+        print(text, flush=True)
+        for g in groups[-2:]:
+            self.sample([g], dropped=g["dropped"])
 
     def evals(self, evals):
         while evals:
@@ -114,37 +126,3 @@ class Log:
         self.completions.close()
         if self.wandb:
             self.wandb.finish()
-        try:  # matplotlib is optional
-            print("curves:", plot(os.path.dirname(self.metrics.name)))
-        except ImportError:
-            pass
-
-
-def plot(run_dir):
-    """{run_dir}/curves.png: reward and eval accuracy by samples and time; the trainer's time."""
-    from matplotlib.figure import Figure
-    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-    steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_accuracy" in r]
-    at = {r["version"]: r for r in steps}
-    fig = Figure(figsize=(15, 4), layout="tight")
-    ax = fig.subplots(1, 3)
-    for a, x, label in zip(ax, ("samples", "elapsed_s"), ("trained samples", "wall-clock (s)")):
-        a.plot([r[x] for r in steps], [r["reward_mean"] for r in steps], label="train reward")
-        # an eval row has no sample count: take its version's step row's (0 before the first step)
-        ex = [e.get(x, at.get(e["version"], {}).get(x, 0)) for e in evals]
-        a.plot(ex, [e["eval_accuracy"] for e in evals], "o-", label="held-out accuracy (greedy)")
-        a.set(xlabel=label, ylim=(0, 1))
-    keys = ("t_wait_s", "t_train_s", "t_sync_s")
-    for i, key in enumerate(keys):  # stacked
-        ax[2].bar([r["step"] for r in steps], [r[key] for r in steps], label=key[2:-2],
-                  bottom=[sum(r[k] for k in keys[:i]) for r in steps])
-    ax[2].set(xlabel="step", ylabel="trainer seconds")
-    for a in ax:
-        a.legend()
-    fig.suptitle(run_dir)
-    fig.savefig(f"{run_dir}/curves.png", dpi=80)
-    return f"{run_dir}/curves.png"
-
-
-if __name__ == "__main__":
-    print(plot(sys.argv[1]))

@@ -34,28 +34,28 @@ COUNTERS = ("reward_failed skipped_long rollout_tokens rollout_engine_s rollout_
             "rollout_grade_s rollout_rss_mb").split()  # cumulative, sent with every message
 
 
-def place(cfg, world, local_world, device, master):
-    """-> (each engine's GPUs, after node 0's trainer ranks; cores a lone CPU rank may borrow)."""
+def place(cfg, world, local_world, device, leader):
+    """-> (this node's engines' GPUs, after its trainer ranks; cores a lone CPU rank may borrow)."""
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
     if device.type == "cpu":
         cores = cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
         borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0  # borrow_cpus
         if cores and not borrow:
             os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
-        return [[] for _ in range(E)], borrow
+        return [[] for _ in range(E)] if leader else [], borrow
     import torch
     torch.cuda.set_device(device)
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(
         map(str, range(torch.cuda.device_count())))
     gpus, first = gpus.split(","), 0 if cfg["colocate"] else local_world
-    if master and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
+    if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
         die("colocate runs 1 trainer rank and 1 engine with tensor_parallel_size=1 on one GPU: "
             "--nproc_per_node=1 --rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
-    if master and first + E * tp > len(gpus):
+    if leader and first + E * tp > len(gpus):
         die(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} need more than "
-            f"the {len(gpus)} GPUs here: fewer trainer ranks or --rollout_engines, or --colocate")
-    # only rank 0 starts engines: node 0 may have fewer trainer ranks than others
-    return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if master else [], 0
+            f"the {len(gpus)} GPUs of this node: fewer trainer ranks or --rollout_engines, or "
+            "--colocate")
+    return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if leader else [], 0
 
 
 def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
@@ -63,14 +63,15 @@ def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
     return set(range(int(lo), int(hi or lo) + 1)) if spec else set()
 
 
-def spawn(cfg, engine_gpus):
-    """One rollout process per engine; they must not take themselves for torchrun ranks."""
+def spawn(cfg, engine_gpus, first, engines, host):
+    """This node's engines, numbered first, first + 1, ..., as processes (not torchrun ranks)."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # vLLM workers import sync
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in-process: what tag() relies on
     if spec := cfg["rollout_cpus"]:
         env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(cpus(spec))))
-    return [subprocess.Popen([sys.executable, f"{ROOT}/rollout.py", json.dumps(cfg), str(e)],
+    cfg = json.dumps(dict(cfg, engines=engines, host=host))
+    return [subprocess.Popen([sys.executable, f"{ROOT}/rollout.py", cfg, str(first + e)],
                              env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
             for e, gpus in enumerate(engine_gpus)]
 
@@ -142,11 +143,11 @@ class Rollout:
         self.counters["skipped_long"] = len(train_set) - len(self.train_set) if e == 0 else 0
         self.graders = reward.Graders(reward.grader(cfg["task"]), cfg["grader_workers"],
                                       cfg["reward_timeout_s"])
-        port, E, tp = cfg["rollout_port"], cfg["rollout_engines"], cfg["tensor_parallel_size"]
-        self.store = sync.open_store(port, False, cfg["timeout_s"])
+        self.store = sync.open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
+        self.store.set(f"idle{e}", "")  # borrow_cpus (mark_idle), before we say we joined
         self.store.set(f"joined{e}", "1")
-        self.ctl, self.traj = sync.connect(self.store, 1 + e, E, cfg["timeout_s"])
-        self.llm.collective_rpc(sync.join, args=(port, 1 + e * tp, 1 + E * tp, cfg))
+        self.ctl, self.traj = sync.connect(self.store, 1 + e, cfg["engines"], cfg["timeout_s"])
+        self.llm.collective_rpc(sync.join, args=(cfg, 1 + e * cfg["tensor_parallel_size"]))
         start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]
@@ -333,3 +334,4 @@ if __name__ == "__main__":
         traceback.print_exc()
         print(f"rollout {sys.argv[2]}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # at once: vLLM's threads can hold a normal exit, and the trainer waits on it
+    os._exit(0)

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 
-def open_store(port, master, timeout_s):  # the engines run on trainer rank 0's machine
+def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine (MASTER_ADDR)
     try:
-        return dist.TCPStore("127.0.0.1", port, is_master=master, wait_for_workers=False,
+        return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as e:
-        raise RuntimeError(f"cannot open the trainer<->rollout store on 127.0.0.1:{port} ({e}); "
+        raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); "
                            "port in use? pick a free one with --rollout_port=PORT") from None
 
 
@@ -156,22 +156,24 @@ def push(sender, tensors, buckets, check_alive=lambda: None):
         w.wait()
     if sender.colocate:
         barrier(sender.pg, sender.device)  # the last bucket is read
-    while works and not works[-1].is_completed():  # NCCL: spin on the host, to see a dead engine
+    while True:  # NCCL: spin on the host until the last bucket is out, to see a dead engine
         check_alive()
+        if not works or works[-1].is_completed():
+            return sender.bytes
         time.sleep(0.001)
-    return sender.bytes
 
 
-def join(worker, port, first_rank, world, cfg):  # in each vLLM worker (collective_rpc)
-    cuda, colocate = torch.cuda.is_available(), cfg["colocate"]
+def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc)
+    cuda, colocate, port = torch.cuda.is_available(), cfg["colocate"], cfg["rollout_port"]
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
-    store = open_store(port, False, cfg["timeout_s"])
+    store = open_store(cfg["host"], port, False, cfg["timeout_s"])
     store.wait(["weights_ready"])
     buckets = pickle.loads(store.get("plan"))
     if colocate and cuda:  # CUDA IPC: open the trainer's buffers
         bufs = [fn(*args) for fn, args in pickle.loads(store.get("ipc"))]
     else:
         bufs = _buffers(buckets, cfg, device, port)
+    world = 1 + cfg["engines"] * cfg["tensor_parallel_size"]
     pg = weight_group(store, first_rank + worker.rank, world, device, colocate, cfg["timeout_s"])
     worker.nanoasync = dict(store=store, pg=pg, bufs=bufs, buckets=buckets, device=device,
                             colocate=colocate)

@@ -1,12 +1,13 @@
 """
 train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value ...]`
-(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; rank 0 starts the
-vLLM engines (rollout.py), which generate all the time. Each optimizer step takes a batch (the one
-wait for generation, buffer.py), computes the loss (loss.py), steps, pushes the new weights into
-every vLLM worker (sync.py) and logs (metrics.py). Version k = the weights after k steps; batch k
-is trained at version k. Ctrl-C or SIGTERM stops every rank at the next step boundary.
-Simplifications: one optimizer step per batch; AdamW at a constant learning rate; no KL penalty
-and no reference model (beta = 0, as in DAPO); rank 0 alone talks to the engines.
+(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; each node's first
+rank starts its vLLM engines (rollout.py), which generate all the time. Each optimizer step takes a
+batch (the one wait for generation, buffer.py), computes the loss (loss.py), steps, pushes the new
+weights into every vLLM worker (sync.py) and logs (metrics.py). Version k = the weights after k
+steps; batch k is trained at version k. Ctrl-C, SIGTERM or a stall (stall_s) stops every rank at
+the next step boundary. Simplifications: one optimizer step per batch; AdamW at a constant
+learning rate; no KL penalty and no reference model (beta = 0, as in DAPO); trainer rank 0 alone
+talks to the engines.
 """
 import json
 import os
@@ -49,13 +50,11 @@ micro_batch_groups = 1  # prompt groups per forward/backward
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
 max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
-is_level = "sequence"  # importance weight per "sequence" (geometric mean) or "token" (loss.py)
-is_mode = "mask"  # "mask": no loss outside [is_low, is_high]; "truncate": at most is_high
-is_low = 0.125
-is_high = 3.0
+is_low = 0.125  # a completion whose importance weight (loss.py) is outside [is_low, is_high]
+is_high = 3.0  # is left out of the loss: too far off-policy to correct
 eval_every = 5  # greedy held-out eval every this many versions, at the start and end; 0 = off
 eval_n = 100  # held-out problems, never trained on
-rollout_engines = 1  # vLLM engines, each on tensor_parallel_size GPUs after the trainer ranks'
+rollout_engines = 1  # vLLM engines on each node, each on tensor_parallel_size GPUs after its ranks'
 tensor_parallel_size = 1
 colocate = False  # one GPU for the trainer and vLLM; weights pass through shared memory
 rollout_groups = 32  # most prompt groups in flight in one engine
@@ -68,34 +67,40 @@ kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
 enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
 bucket_mb = 64  # weight push bucket size
-rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine
+rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine (MASTER_ADDR)
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
+stall_s = 600  # waiting this long for a batch with nothing usable (none, flat, stale) stops the run
 reward_timeout_s = 5.0  # a grade running longer is killed and scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
-max_bad_steps = 3  # NaN/inf gradients in a row (each step skipped) that stop the run
 wandb_log = False  # also log to Weights & Biases (WANDB_MODE=offline needs no network)
 wandb_project = "nanoasync"
-wandb_run_name = ""
 ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, on a signal; 0 = never
 resume = False  # continue exactly from {out_dir}/ckpt.pt
 # -------------------------------------------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
 for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "29500"}.items():
     os.environ.setdefault(k, v)  # plain `python train.py`: one rank
-rank, world, local_world = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+rank, world, local_rank, local_world, node, nodes = (int(os.environ[k]) for k in (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
 master = rank == 0
 config = configurator.check(config, world)
 model = config["model"]  # a hub id is now a folder in the hub cache
 
-# ---- placement: trainer ranks on each node's first GPUs, the engines after them on node 0 ----
+# ---- placement: on every node, trainer ranks on the first GPUs, that node's engines after ----
 cuda = torch.cuda.is_available()
-device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
-engine_gpus, borrow = rollout.place(config, world, local_world, device, master)
+if not cuda and torch.version.cuda:  # a CUDA build of torch (and vLLM) that sees no GPU
+    configurator.die(f"torch {torch.__version__} sees no GPU: CUDA 13 needs NVIDIA driver >= 580 "
+                     "(nvidia-smi); or CUDA_VISIBLE_DEVICES is empty; no GPU: requirements-cpu.txt")
+device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+engine_gpus, borrow = rollout.place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
 torch.manual_seed(seed)
 threads = torch.get_num_threads()  # OMP_NUM_THREADS (torchrun's default: 1)
+# ranks 1.. wait for each batch as long as rank 0 does (stall_s bounds it), not timeout_s
+batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
@@ -124,8 +129,7 @@ def save_checkpoint(version):
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
             torch.save({"version": version, "model": model_sd, "optim": optim_sd,
-                        "torch_rng": torch.get_rng_state(), **fleet.resume_state(), **log.state()},
-                       f)
+                        **fleet.resume_state(), **log.state()}, f)
             os.fsync(f.fileno())
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
@@ -134,28 +138,28 @@ if resume:  # rank 0 reads the file; the other ranks' shards come by broadcast
     ckpt = torch.load(ckpt_path, weights_only=True) if master else {"model": {}, "optim": {}}
     set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model"),
                    optim_state_dict=ckpt.pop("optim"), options=full_state)
-    if master:
-        torch.set_rng_state(ckpt["torch_rng"])
 box = [ckpt.get("version", 0)]
 dist.broadcast_object_list(box, src=0)
 start = box[0]  # this run's first batch is trained at version start
-stop_signal = []  # Ctrl-C / SIGTERM: the loop stops at the next step boundary
+stop_signal, engines = [], []  # Ctrl-C / SIGTERM: the loop stops at the next step boundary
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
-# ---- rank 0 starts the rollout side; from here on it generates all the time ----
+# ---- every node's first rank starts its engines; from here on they generate all the time ----
 if master:
     os.makedirs(out_dir, exist_ok=True)
     json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)
-    fleet = buf.Rollouts(config, buckets, device, engine_gpus, ckpt, lambda: bool(stop_signal))
+    fleet = buf.Rollouts(config, buckets, device, engine_gpus, ckpt, lambda: stop_signal, nodes)
     log = metrics.Log(config, start, ckpt)
-skipped_steps = bad_in_a_row = 0
+elif engine_gpus:  # another node's engines: numbered on from node 0's, they talk to rank 0 only
+    engines = rollout.spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
+                            os.environ["MASTER_ADDR"])
 
 
 def push_weights(version):  # every rank gathers; rank 0 sends
     if master:
         sync.announce(fleet.ctl, version)
-        return sync.push(fleet.sender, full_weights(), buckets, fleet.check_alive)
+        return sync.push(fleet.sender, full_weights(), buckets, lambda: fleet.check_alive(False))
     return sync.push(None, full_weights(), buckets)
 
 
@@ -167,7 +171,7 @@ def micro_batch(groups, step, n_tok):
     pad = lambda key: torch.tensor([c[key] + [0] * (W - len(c[key])) for c in comps], device=device)
     behav, rewards = pad("logprobs"), torch.tensor([c["reward"] for c in comps], device=device)
     adv = L.group_advantages(rewards, group_size)
-    loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok, is_level, is_mode, is_low, is_high)
+    loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok, is_low, is_high)
     fresh = pad("versions") == step  # sampled by the weights being trained
     (loss * world).backward()  # FSDP averages over ranks; the loss is already a global token mean
     return metrics.token_sums(loss, bounded, logp, behav, mask, fresh, positions)
@@ -180,20 +184,21 @@ try:
     for step in range(start, max_steps):
         version = step
         # ---- 1. a batch ----
-        batch = None  # None from rank 0: every rank stops at this step boundary
-        if master and not stop_signal:
-            try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
-                groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive)
+        box = [None]
+        try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
+            if master:
+                fleet.check_alive()  # a signal since the last step stops us here
+                groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive,
+                                                        log.waiting)
                 n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"])  # flat too
-                batch = buf.split(buf.worth_a_forward(groups, world), world), n_tok
-            except buf.Stopped:
-                pass
-        box = [batch]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:  # stop between two steps, where the state is whole
+                box = [(buf.split(buf.worth_a_forward(groups, world), world), n_tok)]
+        except buf.Stopped as e:
+            box = [str(e)]  # why: every rank stops at this step boundary
+        dist.broadcast_object_list(box, src=0, group=batches)
+        if isinstance(box[0], str):  # between two steps, where the state is whole
             if ckpt_every:
                 save_checkpoint(version)
-            raise buf.Stopped()
+            raise buf.Stopped(box[0])
         mine, n_tok = box[0][0][rank], box[0][1]
         # ---- 2. the loss and one optimizer step ----
         t0, sums, borrowed = time.perf_counter(), torch.zeros(len(metrics.SUMS), device=device), 0
@@ -207,16 +212,10 @@ try:
             sums += micro_batch(mine[i:i + micro_batch_groups], step, n_tok)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        if torch.isfinite(grad_norm):  # the same on every rank: the norm is global
-            optimizer.step()
-            bad_in_a_row = 0
-        else:  # a NaN/inf gradient would poison the weights (and vLLM's): skip, stop if it persists
-            skipped_steps, bad_in_a_row = skipped_steps + 1, bad_in_a_row + 1
-            print(f"warning: step {step}: gradient norm {grad_norm.item()}, optimizer step skipped",
-                  file=sys.stderr)
-            if bad_in_a_row >= max_bad_steps:
-                raise FloatingPointError(f"{bad_in_a_row} optimizer steps in a row had a NaN/inf "
-                                         f"gradient: lower lr or check the data ({max_bad_steps=})")
+        if not torch.isfinite(grad_norm):  # it would poison the weights, and vLLM's; every rank
+            raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: lower lr or "
+                                     "check the data (--resume goes on from the last checkpoint)")
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(sums)
         t_train, version = time.perf_counter() - t0, step + 1
@@ -227,8 +226,7 @@ try:
         # ---- 4. log ----
         if master:
             log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
-                     skipped_steps=skipped_steps, t_wait_s=t_wait, t_train_s=t_train,
-                     t_sync_s=t_sync, sync_bytes=sync_bytes,
+                     t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync, sync_bytes=sync_bytes,
                      borrowed_frac=borrowed / len(micro_batches))
             fleet.consume(seen)
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
@@ -242,17 +240,18 @@ try:
             fleet.wait_for_eval(max_steps, timeout_s)
         log.close(fleet.evals)
         fleet.stop(timeout_s)
-except buf.Stopped:
+    for p in engines:
+        p.wait()  # another node's: they exit once rank 0 has its final eval and says so
+except buf.Stopped as e:
     if master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
-        print(f"stopped by {signal.Signals(stop_signal[0]).name} at step {step}{saved}",
-              file=sys.stderr, flush=True)
-    sys.exit(128 + stop_signal[0])
+        print(f"stopped at step {step}: {e}{saved}", file=sys.stderr, flush=True)
+    dist.destroy_process_group()  # at exit, torch's own teardown of the groups aborts the process
+    sys.exit(128 + stop_signal[0] if stop_signal else 1)
 except Exception as e:
     if not master or not fleet.explain(e, step):  # a broken connection: did a rollout process die?
         raise
     sys.exit(1)
 finally:
-    if master:
-        fleet.kill()
+    buf.kill(fleet.procs if master else engines)
 dist.destroy_process_group()

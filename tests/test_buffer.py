@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from buffer import Buffer, is_flat, split, worth_a_forward
+from buffer import Buffer, Stopped, is_flat, split, worth_a_forward
 
 
 def group(version_min, rewards=(1.0, 0.0)):
@@ -58,12 +58,31 @@ def test_a_dead_producer_ends_the_wait():
     assert time.time() - t0 < 5
 
 
+def test_a_wait_with_nothing_usable_reports_then_stops():
+    """Only flat groups (and one stale) come: a report every stall_s / 3 with the groups dropped
+    since the last one, then Stopped after stall_s; a usable group resets the clock."""
+    b, reports = Buffer(max_staleness=0, drop_flat=True, stall_s=3), []
+
+    def produce():
+        for k in range(10):
+            b.put(group(-1 if k == 0 else 0, (0.0, 0.0)))
+            time.sleep(0.2)
+    threading.Thread(target=produce, daemon=True).start()
+    t0 = time.time()
+    with pytest.raises(Stopped, match=r"stall_s=3 s \(10 groups dropped since the last usable one: "
+                                      r"9 flat at reward 0, 1 stale\)"):
+        b.get(0, 1, report=lambda text, groups: reports.append((text, groups)))
+    assert 3 <= time.time() - t0 < 6
+    assert len(reports) >= 2 and "(0/1 groups)" in reports[0][0]
+    assert [g["dropped"] for _, gs in reports for g in gs][:2] == ["stale", "flat"]
+    b.put(group(0))  # usable: the clock starts again
+    assert len(b.get(0, 1)[0]) == 1 and b.stalled_s == 0 and b.since == []
+
+
 def test_split_over_ranks():
     groups = list(range(6))
     assert split(groups, 2) == [[0, 2, 4], [1, 3, 5]]
     assert split(groups, 1) == [groups]
-    with pytest.raises(ValueError, match="cannot be split evenly over 4"):
-        split(groups, 4)
 
 
 def test_flat_groups_kept_in_a_batch_cost_no_forward_pass():

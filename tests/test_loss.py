@@ -19,50 +19,39 @@ def one_token(adv, ratio, **kw):
     return loss.item(), logp.grad.item(), truncated
 
 
-@pytest.mark.parametrize("adv, ratio, want_loss, want_grad, truncated", [
+@pytest.mark.parametrize("adv, ratio, want_loss, want_grad, bounded", [
     (1.0, 1.1, -1.1, -1.1, 0),    # a stale token pi_theta now likes more: weight rho,
                                   # gradient -A * rho
     (1.0, 1.5, -1.5, -1.5, 0),    # moved far already: still the full weight (no clip silences it)
     (-1.0, 0.5, 0.5, 0.5, 0),     # a bad token pi_theta already avoids: its push down shrinks
                                   # with rho
-    (1.0, 5.0, -3.0, -3.0, 1),    # above is_high: the weight is truncated at the cap, the
-                                  # gradient stays
-    (-1.0, 5.0, 3.0, 3.0, 1),
+    (1.0, 5.0, 0.0, 0.0, 1),      # above is_high: too far off-policy, left out of the loss
+    (-1.0, 0.1, 0.0, 0.0, 1),     # below is_low: the same
     (0.0, 1.7, 0.0, 0.0, 0),      # zero advantage: nothing
 ])
-def test_truncated_importance_weights(adv, ratio, want_loss, want_grad, truncated):
-    loss, grad, truncated_mask = one_token(adv, ratio, high=3.0)
+def test_importance_weights_and_their_bounds(adv, ratio, want_loss, want_grad, bounded):
+    loss, grad, bounded_mask = one_token(adv, ratio, low=0.125, high=3.0)
     assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
     assert grad == pytest.approx(want_grad, rel=1e-5, abs=1e-6)
-    assert truncated_mask.sum().item() == truncated
+    assert bounded_mask.sum().item() == bounded
 
 
-def settings(level, mode):
-    """Two completions of two tokens, with hand-picked ratios; -> (loss, grad, bounded)."""
-    rho = torch.tensor([[4.0, 0.1], [1.5, 2.0]])
-    logp = torch.zeros(2, 2, requires_grad=True)
-    loss, bounded = grpo_loss(logp, -rho.log(), torch.tensor([1.0, -1.0]), torch.ones(2, 2), 4.0,
-                              level, mode, low=0.2, high=3.0)
-    loss.backward()
-    return loss.item(), logp.grad, bounded.int().tolist()
-
-
-@pytest.mark.parametrize("level, mode, w, bounded", [
-    # token, truncate: min(rho, 3)
-    ("token", "truncate", [[3.0, 0.1], [1.5, 2.0]], [[1, 0], [0, 0]]),
-    # token, mask: rho inside [0.2, 3], else 0
-    ("token", "mask", [[0.0, 0.0], [1.5, 2.0]], [[1, 1], [0, 0]]),
-    # sequence (the default): the geometric mean, sqrt(4 * 0.1) = 0.632 and sqrt(1.5 * 2) = 1.732,
-    # inside [0.2, 3]
-    ("sequence", "mask", [[0.4**0.5] * 2, [3**0.5] * 2], [[0, 0], [0, 0]]),
+@pytest.mark.parametrize("rho, w, bounded", [
+    # the geometric mean of each completion's ratios: sqrt(4 * 0.1) = 0.632 and sqrt(1.5 * 2)
+    # = 1.732, inside [0.2, 3]; token by token 4.0 and 0.1 would be out
+    ([[4.0, 0.1], [1.5, 2.0]], [[0.4**0.5] * 2, [3**0.5] * 2], [[0, 0], [0, 0]]),
+    # sqrt(4 * 4) = 4 > 3: the whole first completion is out
+    ([[4.0, 4.0], [1.5, 2.0]], [[0.0, 0.0], [3**0.5] * 2], [[1, 1], [0, 0]]),
 ])
-def test_staleness_settings_by_hand(level, mode, w, bounded):
-    loss, grad, got = settings(level, mode)
-    w = torch.tensor(w)
-    adv = torch.tensor([[1.0], [-1.0]])
-    assert loss == pytest.approx((-adv * w).sum().item() / 4, rel=1e-5)
-    assert torch.allclose(grad, -adv * w / 4, rtol=1e-5)
-    assert got == bounded
+def test_one_weight_per_completion_by_hand(rho, w, bounded):
+    logp = torch.zeros(2, 2, requires_grad=True)
+    loss, got = grpo_loss(logp, -torch.tensor(rho).log(), torch.tensor([1.0, -1.0]),
+                          torch.ones(2, 2), 4.0, low=0.2, high=3.0)
+    loss.backward()
+    w, adv = torch.tensor(w), torch.tensor([[1.0], [-1.0]])
+    assert loss.item() == pytest.approx((-adv * w).sum().item() / 4, rel=1e-5)
+    assert torch.allclose(logp.grad, -adv * w / 4, rtol=1e-5)
+    assert got.int().tolist() == bounded
 
 
 def test_token_level_normalisation():

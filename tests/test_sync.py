@@ -31,7 +31,7 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate):
     prompt = AutoTokenizer.from_pretrained(path).encode("What is 12 + 7?")
     port = free_port()
     cfg = {"rollout_dtype": "float32", "colocate": colocate, "rollout_port": port, "timeout_s": 60}
-    store = sync.open_store(port, True, 60)
+    store = sync.open_store("127.0.0.1", port, True, 60)
     store.set("prompt", json.dumps(prompt))
     peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path,
                              str(port), json.dumps(cfg)])

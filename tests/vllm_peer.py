@@ -16,8 +16,9 @@ if __name__ == "__main__":
                                 rollout_groups=1, group_size=4, eval_n=0,
                                 gpu_memory_utilization=0.5, tensor_parallel_size=1, kv_cache_gb=1),
                            "cpu")
-    store = sync.open_store(port, False, 60)
-    llm.collective_rpc(sync.join, args=(port, 1, 2, cfg))
+    store = sync.open_store("127.0.0.1", port, False, 60)
+    cfg = dict(cfg, host="127.0.0.1", engines=1, tensor_parallel_size=1)
+    llm.collective_rpc(sync.join, args=(cfg, 1))
     prompt = json.loads(store.get("prompt"))
     params = SamplingParams(n=4, temperature=0.7, max_tokens=16, logprobs=0)
 
