@@ -62,16 +62,19 @@ def run_dir(name, overrides):
                         name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
 
 
-def train(name, *overrides):
-    config, base, _ = CONFIGS[name]
-    out = run_dir(name, overrides)
+def run(config, out, args, **kw):  # one rank of train.py into `out` -> (its step rows, process)
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "metrics.jsonl"), "w").close()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "train.py", config,
-           *base, f"--out_dir={out}", "--eval_every=0", *overrides]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                        "train.py", config, f"--out_dir={out}", *args], cwd=ROOT, **kw)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return [r for r in rows if "loss" in r]
+    return [r for r in rows if "loss" in r], p
+
+
+def train(name, *overrides):
+    config, base, _ = CONFIGS[name]
+    return run(config, run_dir(name, overrides), [*base, "--eval_every=0", *overrides],
+               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)[0]
 
 
 def per_sample(rows):
@@ -134,7 +137,7 @@ if __name__ == "__main__":
     port, cfg = int(sys.argv[1]), dict(
         model={model_dir!r}, rollout_dtype="float32", colocate=False, timeout_s=60, seed=0,
         max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5, tensor_parallel_size=1,
-        kv_cache_gb=1, rollout_groups=1, group_size=4, eval_n=0)
+        kv_cache_gb=1, rollout_groups=1, group_size=4, eval_n=0, rollout_port=int(sys.argv[1]))
     llm = rollout.make_llm(cfg, "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
     llm.collective_rpc(sync.join, args=(dict(cfg, host="127.0.0.1", engines=1), 1))
@@ -547,8 +550,6 @@ def gpu_check():
                         "--max_staleness=1", "--rollout_cpus=", "--eval_every=0",
                         f"--colocate={mode == 'colocate'}", "--gpu_memory_utilization=0.3"]
                 out = run_dir(f"gpu_{name}_{dtype}_{mode}", [])
-                os.makedirs(out, exist_ok=True)
-                open(os.path.join(out, "metrics.jsonl"), "w").close()
                 peak, done = [0] * n_gpus, threading.Event()
 
                 def watch():  # peak memory per GPU, every process on it
@@ -558,13 +559,8 @@ def gpu_check():
                 if n_gpus:
                     threading.Thread(target=watch, daemon=True).start()
                 t0 = time.perf_counter()
-                p = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                                    "--nproc_per_node=1", "train.py", config,
-                                    f"--out_dir={out}", *over],
-                                   cwd=ROOT, capture_output=True, text=True)
+                steps, p = run(config, out, over, capture_output=True, text=True)
                 done.set()
-                steps = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
-                         if "loss" in r]
                 row = {"model": name, "dtype": dtype, "mode": mode, "rc": p.returncode,
                        "wall_s": round(time.perf_counter() - t0, 1), "steps": len(steps)}
                 if steps:

@@ -42,8 +42,8 @@ class Buffer:
 
     def get(self, version, n_groups, check_alive=lambda: None, report=lambda text, groups: None):
         """-> (n_groups usable groups, every group taken out, seconds waited). check_alive() runs
-        about once a second while waiting and raises if the producer is gone. A wait reports at
-        least once a minute: a line, and the groups dropped since (for samples.jsonl)."""
+        first and about once a second while waiting; a wait reports at least once a minute."""
+        check_alive()
         batch, seen, waited, told = [], [], 0.0, 0.0
         while len(batch) < n_groups:
             with self.cond:

@@ -117,7 +117,8 @@ def is_flat(group):  # every completion got the same reward: no signal for GRPO
 
 
 def _grade_forever(conn, grade):  # one grader process: [(text, answer)] in, (reward, failed) out
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the group: the engine ends us
+        signal.signal(sig, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
     while True:
         try:

@@ -187,7 +187,6 @@ try:
         box = [None]
         try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
             if master:
-                fleet.check_alive()  # a signal since the last step stops us here
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive,
                                                         log.waiting)
                 n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"])  # flat too
