@@ -1,4 +1,5 @@
 # `make demo`: set up .venv (CPU) and run the CPU demo.  `make test`: set up .venv (CPU) and run the tests.
+# `make agent`: the CPU demo with a tool (multi-turn), and the same model without the tool.
 PY := .venv/bin/python
 
 .venv/.installed: requirements-cpu.txt
@@ -17,8 +18,16 @@ demo: setup
 	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_cpu.py
 	$(PY) bench.py --plot out/smollm_cpu
 
+agent: setup
+	$(PY) prepare.py smollm2
+	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_calc.py
+	# the no-tool baseline: the same questions and model, one turn, no calculator offered (eval only)
+	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_calc.py --max_turns=1 --max_steps=0 \
+		--out_dir=out/smollm_calc_no_tool
+	$(PY) bench.py --plot --baseline=out/smollm_calc_no_tool out/smollm_calc
+
 test: setup
 	$(PY) prepare.py tiny
 	$(PY) -m pytest -q tests
 
-.PHONY: setup demo test
+.PHONY: setup demo agent test

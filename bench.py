@@ -4,11 +4,14 @@ line.
 
   python bench.py                  # tiny and SmolLM2 configs on this machine (CPU), < 10 minutes
   python bench.py --configs=tiny   # just the tiny one
+  python bench.py --configs=calc --overlap
+                                   # the calculator task's overlap alone (multi-turn, ~15 min)
   python bench.py --trl            # TRL's GRPOTrainer vs ours on the demo, same machine
                                    # (pip install trl)
   python bench.py --engine         # the engine loop's generation tokens/s against vLLM alone, and
                                    # where the loop's time goes (pip install py-spy); --runs=N
-  python bench.py --plot OUT_DIR   # OUT_DIR/curves.png from its metrics.jsonl (pip matplotlib)
+  python bench.py --plot OUT_DIR   # OUT_DIR/curves.png from its metrics.jsonl (pip matplotlib);
+                                   # --baseline=ACC|RUN_DIR draws a held-out accuracy too
   python bench.py --gpu            # the whole GPU path in minutes, on whatever GPUs are here
                                    # (none: the same runs on CPU); see gpu_check()
   torchrun --nproc_per_node=1 bench.py --trainer
@@ -52,7 +55,12 @@ CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1",
            # measured
            "smollm": ("config/smollm_cpu.py",
                       ["--max_steps=4", "--batch_groups=4", "--drop_flat=True", "--eval_n=100",
-                       "--lr=0.0", "--borrow_cpus=False"], "smollm2")}
+                       "--lr=0.0", "--borrow_cpus=False"], "smollm2"),
+           # the agent demo: multi-turn answers with a calculator, whose tails are longest (all
+           # groups trained: at lr=0 most would be flat, and waiting for others is not overlap)
+           "calc": ("config/smollm_calc.py", ["--max_steps=5", "--batch_groups=4", "--lr=0.0",
+                                              "--drop_flat=False", "--borrow_cpus=False"],
+                    "smollm2")}
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 warmup = int(args.get("warmup", 2))
 
@@ -97,7 +105,7 @@ if __name__ == "__main__":
     cfg = json.load(open(sys.argv[1]))
     llm = rollout.make_llm(cfg, "cpu", max_num_seqs=cfg["rollout_groups"] * cfg["group_size"])
     tok = llm.get_tokenizer()
-    train_set, _ = reward.load_task(cfg)
+    train_set = reward.load_task(cfg)["train"]
     prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}}
                for p in train_set[:{n_prompts}]]
     params = SamplingParams(n=cfg["group_size"], temperature=cfg["temperature"],
@@ -210,7 +218,7 @@ if __name__ == "__main__":
     from vllm import SamplingParams
     cfg, G, steps = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3].split(",")
     llm = rollout.make_llm(cfg, "cpu")
-    tok, (train_set, _) = llm.get_tokenizer(), reward.load_task(cfg)
+    tok, train_set = llm.get_tokenizer(), reward.load_task(cfg)["train"]
     # the loop's prompt stream (rollout.Rollout.admit): the batches of the steps it was timed on
     perm = random.Random(f"{{cfg['seed']}}/0").sample(range(len(train_set)), len(train_set))
     batches = [[{{"prompt_token_ids": rollout.format_prompt(tok, train_set[perm[k]]["prompt"])}}
@@ -372,7 +380,8 @@ def trainer_only():
     gen = torch.Generator().manual_seed(0)
     rand = lambda k: torch.randint(0, 150000, (k,), generator=gen).tolist()
     lengths = lambda: torch.randint(T // 8, T + 1, (n,), generator=gen).tolist()  # mixed, up to T
-    groups = [{"prompt_ids": rand(P), "completions": [{"ids": rand(k)} for k in lengths()]}
+    groups = [{"prompt_ids": rand(P),
+               "completions": [{"ids": rand(k), "mask": [1] * k} for k in lengths()]}
               for _ in range(G)]
     tokens = sum(len(g["prompt_ids"]) + sum(len(c["ids"]) for c in g["completions"])
                  for g in groups)
@@ -482,9 +491,9 @@ RECIPE_ANSWERS_PER_S = 30_000 / 300
 
 
 def grading():
-    """Graders: math-verify answers/s on GSM8K-style answers (a few sentences of working, then a
+    """Workers: math-verify answers/s on GSM8K-style answers (a few sentences of working, then a
     boxed number) with 1 and 2 processes, collected by a loop that stands in for the engine's (a
-    2 ms step, then Graders.wait and poll), against the GPU recipe's answer rate; then the tiny run
+    2 ms step, then Workers.wait and poll), against the GPU recipe's answer rate; then the tiny run
     with a 50 ms grader (a sitecustomize module slows it in every process): the loop's tokens/s
     while stepping or grading, and the share of that time spent on grades."""
     import tempfile
@@ -495,15 +504,15 @@ def grading():
     answers = [(working.format(i=2 * i, h=i, t=3 * i) * 4 + f"The answer is \\boxed{{{3 * i}}}.",
                 str(3 * i)) for i in range(1000)]
     for workers in (1, 2):
-        graders = reward.Graders(reward.grade_math, workers, 5.0)
+        graders = reward.Workers(workers, 5.0)
         for i in range(workers):  # each process imports math-verify once
-            graders.submit(i, "\\boxed{1}", "1")
+            graders.submit(i, reward.grade_math, "\\boxed{1}", "1")
         while graders.busy:
             graders.wait(1.0)
             graders.poll()
         t, done = time.perf_counter(), 0
         for i, (text, answer) in enumerate(answers):
-            graders.submit(i, text, answer)
+            graders.submit(i, reward.grade_math, text, answer)
         while done < len(answers):
             time.sleep(0.002)
             graders.wait(1.0)
@@ -588,11 +597,16 @@ def gpu_check():
     return int(any(r["rc"] for r in rows))
 
 
-def plot(run_dir):
-    """{run_dir}/curves.png: reward and eval accuracy by samples and time; the trainer's time."""
+def plot(run_dir, baseline=None):
+    """{run_dir}/curves.png: reward and eval accuracy by samples and time; the trainer's time.
+    A task with a tool adds its calls per answer; baseline: a held-out accuracy to draw (the same
+    model without the tool), or a run directory whose first eval gives it."""
     from matplotlib.figure import Figure
     rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_accuracy" in r]
+    if baseline and os.path.isdir(baseline):
+        baseline = next(json.loads(line)["eval_accuracy"] for line in open(
+            f"{baseline}/metrics.jsonl") if "eval_accuracy" in line)
     at = {r["version"]: r for r in steps}
     fig = Figure(figsize=(15, 4), layout="tight")
     ax = fig.subplots(1, 3)
@@ -601,7 +615,12 @@ def plot(run_dir):
         # an eval row has no sample count: take its version's step row's (0 before the first step)
         ex = [e.get(x, at.get(e["version"], {}).get(x, 0)) for e in evals]
         a.plot(ex, [e["eval_accuracy"] for e in evals], "o-", label="held-out accuracy (greedy)")
-        a.set(xlabel=label, ylim=(0, 1))
+        if any(r.get("tool_calls_mean") for r in steps):
+            a.plot([r[x] for r in steps], [r["tool_calls_mean"] for r in steps], "--",
+                   label="tool calls per answer")
+        if baseline is not None:
+            a.axhline(float(baseline), color="gray", linestyle=":", label="held-out, no tool")
+        a.set(xlabel=label, ylim=(0, 1.05))
     keys = ("t_wait_s", "t_train_s", "t_sync_s")
     for i, key in enumerate(keys):  # stacked
         ax[2].bar([r["step"] for r in steps], [r[key] for r in steps], label=key[2:-2],
@@ -617,7 +636,7 @@ def plot(run_dir):
 
 if __name__ == "__main__":
     if "--plot" in sys.argv:
-        sys.exit(print(plot(sys.argv[-1])))
+        sys.exit(print(plot([a for a in sys.argv[1:] if a[:2] != "--"][-1], args.get("baseline"))))
     if "--trainer" in sys.argv:
         sys.exit(trainer_only())
     if "--grading" in sys.argv:
@@ -639,6 +658,13 @@ if __name__ == "__main__":
         t_gen = mean([r["t_wait_s"] for r in sync_rows[warmup:]])
         t_train = mean([r["t_train_s"] + r["t_sync_s"] for r in sync_rows[warmup:]])
         last = async_rows[-1]
+        results[name] = {"overlap_speedup": per_sample(sync_rows) / per_sample(async_rows),
+                         "overlap_bound": (t_gen + t_train) / max(t_gen, t_train),
+                         "t_gen_s": t_gen, "t_train_s": t_train,
+                         "turns_mean": mean([r["turns_mean"] for r in steady]),
+                         "tool_calls_mean": mean([r["tool_calls_mean"] for r in steady])}
+        if "--overlap" in sys.argv:
+            continue
         in_loop = last["rollout_tokens"] / (last["rollout_engine_s"] + last["rollout_load_s"])
         cfg = json.load(open(os.path.join(ROOT, "out/bench", name, "train_config.json")))
         in_flight = min(cfg["rollout_groups"], (cfg["max_staleness"] + 1) * cfg["batch_groups"])
@@ -646,9 +672,7 @@ if __name__ == "__main__":
             json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
                                         "train_config.json")))["model"],
             float(args.get("bucket_mb", 64)))
-        r = {"overlap_speedup": per_sample(sync_rows) / per_sample(async_rows),
-             "overlap_bound": (t_gen + t_train) / max(t_gen, t_train),
-             "sync_ratio": bucketed / raw, "sync_s": bucketed, "sync_raw_s": raw,
+        r = {**results[name], "sync_ratio": bucketed / raw, "sync_s": bucketed, "sync_raw_s": raw,
              "weight_mb": nbytes / 2**20,
              "rollout_pause_share": last["rollout_load_s"] / last["rollout_engine_s"],
              "rollout_efficiency": in_loop / standalone_rollout(name, in_flight),
@@ -657,7 +681,6 @@ if __name__ == "__main__":
                                     / sum(r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"]
                                           for r in steady)),
              "trainer_tokens_per_s": mean([r["train_tokens_per_s"] for r in steady]),
-             "t_gen_s": t_gen, "t_train_s": t_train,
              "trainer_rss_mb": last["trainer_rss_mb"], "rollout_rss_mb": last["rollout_rss_mb"]}
         results[name] = r
     for name, r in results.items():

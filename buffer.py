@@ -1,21 +1,23 @@
-"""
-buffer.py: trainer rank 0's end of the rollout side. Rollouts starts the rollout processes and puts
-the groups they send in a Buffer, from which the trainer takes batches, dropping stale groups (the
-engines then admit replacements) and optionally flat ones (their engine replaced them already).
-Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission.
-"""
+"""buffer.py: the trainer's end of the rollout side. place() and spawn() start each node's engines;
+on rank 0 Rollouts puts the groups they send in a Buffer, from which the trainer takes batches,
+dropping stale groups (the engines admit replacements) and optionally flat ones (already replaced).
+Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission."""
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 
-import configurator
 import rollout
 import sync
+from configurator import die
 from reward import is_flat
+
+TORCHRUN_ENV = ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK "
+                "ROLE_RANK ROLE_WORLD_SIZE GROUP_WORLD_SIZE OMP_NUM_THREADS").split()
 
 
 class Stopped(Exception):
@@ -26,29 +28,23 @@ class Buffer:
     def __init__(self, max_staleness, drop_flat, on_discard=lambda n: None, stall_s=0):
         self.max_staleness, self.drop_flat, self.on_discard = max_staleness, drop_flat, on_discard
         self.stall_s = stall_s  # > 0: waiting this long with nothing usable stops the run
-        self.groups, self.cond, self.error = [], threading.Condition(), None
+        self.groups, self.cond = [], threading.Condition()
         self.dropped_stale = self.dropped_flat = 0
         self.stalled_s, self.since, self.news = 0.0, [], []  # since the last usable group
 
-    def put(self, group):
+    def put(self, group):  # a group, or the exception that ended its producer (get() raises it)
         with self.cond:
             self.groups.append(group)
             self.cond.notify()
 
-    def fail(self, message):  # the producer is dead: get() raises this
-        with self.cond:
-            self.error = message
-            self.cond.notify()
-
     def get(self, version, n_groups, check_alive=lambda: None, report=lambda text, groups: None):
-        """-> (n_groups usable groups, every group taken out, seconds waited). check_alive() runs
-        first and about once a second while waiting; a wait reports at least once a minute."""
+        """-> (n_groups usable groups, all taken out, seconds waited); check_alive() each second."""
         check_alive()
         batch, seen, waited, told = [], [], 0.0, 0.0
         while len(batch) < n_groups:
             with self.cond:
                 t0 = time.perf_counter()
-                while not self.groups and self.error is None:
+                while not self.groups:
                     self.cond.wait(timeout=1.0)
                     t = time.perf_counter() - t0
                     if not self.groups:
@@ -64,9 +60,9 @@ class Buffer:
                                       "grader reads the answers in samples.jsonl")
                 t = time.perf_counter() - t0
                 waited, self.stalled_s = waited + t, self.stalled_s + t
-                if self.error is not None:
-                    raise RuntimeError(self.error)
-                seen.append(g := self.groups.pop(0))
+                if isinstance(g := self.groups.pop(0), Exception):
+                    raise g
+                seen.append(g)
             if version - g["version_min"] > self.max_staleness:
                 self.dropped_stale += 1
                 self.on_discard(1)
@@ -91,8 +87,7 @@ def describe(drops):  # [(why, first reward)] -> "3 groups dropped ...: 2 flat a
 
 
 def worth_a_forward(groups, world_size):
-    """A flat group adds nothing to the gradient: skip it, but as filler so that every rank runs as
-    many forward passes (FSDP's collectives need that)."""
+    """Skip flat groups (no gradient) but as filler: FSDP needs as many forwards on every rank."""
     live, flat = [g for g in groups if not is_flat(g)], [g for g in groups if is_flat(g)]
     n = max(1, -(-len(live) // world_size)) * world_size
     return live + flat[:n - len(live)]
@@ -100,6 +95,43 @@ def worth_a_forward(groups, world_size):
 
 def split(groups, world_size):  # rank r gets groups r, r + W, r + 2W, ... (a multiple of W)
     return [groups[r::world_size] for r in range(world_size)]
+
+
+def place(cfg, world, local_world, device, leader):
+    """-> (this node's engines' GPUs, after its trainer ranks; cores a lone CPU rank may borrow)."""
+    E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
+    if device.type == "cpu":
+        cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
+        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0  # borrow_cpus
+        if cores and not borrow:
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
+        return [[] for _ in range(E)] if leader else [], borrow
+    import torch
+    torch.cuda.set_device(device)
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(
+        map(str, range(torch.cuda.device_count())))
+    gpus, first = gpus.split(","), 0 if cfg["colocate"] else local_world
+    if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
+        die("colocate runs 1 trainer rank and 1 engine with tensor_parallel_size=1 on one GPU: "
+            "--nproc_per_node=1 --rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
+    if leader and first + E * tp > len(gpus):
+        die(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} need more than "
+            f"the {len(gpus)} GPUs of this node: fewer trainer ranks or --rollout_engines, or "
+            "--colocate")
+    return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if leader else [], 0
+
+
+def spawn(cfg, engine_gpus, first, engines, host):
+    """This node's engines, numbered first, first + 1, ..., as processes (not torchrun ranks)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
+    env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # workers: sync
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine core in-process: rollout.tag()
+    if spec := cfg["rollout_cpus"]:
+        env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(rollout.cpus(spec))))
+    cfg = json.dumps(dict(cfg, engines=engines, host=host))
+    return [subprocess.Popen([sys.executable, f"{rollout.ROOT}/rollout.py", cfg, str(first + e)],
+                             env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
+            for e, gpus in enumerate(engine_gpus)]
 
 
 class Rollouts:
@@ -114,17 +146,16 @@ class Rollouts:
             self.store = sync.open_store(host, cfg["rollout_port"], True, timeout)
             self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
                                                 "next": self.next, "done": sorted(self.done)}))
-            self.procs = rollout.spawn(cfg, engine_gpus, 0, self.engines, host)
+            self.procs = spawn(cfg, engine_gpus, 0, self.engines, host)
             sync.wait_for(self.store, [f"joined{e}" for e in range(self.engines)], timeout,
                           self.check_alive)
         except (RuntimeError, TimeoutError) as e:
             kill(self.procs)
-            configurator.die(str(e))
+            die(str(e))
         self.ctl, trajs = sync.connect(self.store, 0, self.engines, timeout)
         self.sender = sync.Sender(self.store, buckets, cfg, device,
                                   self.engines * cfg["tensor_parallel_size"])
-        # a stale group dropped: the engines may admit a replacement (rollout.take_tickets)
-        discard = lambda n: self.store.add("admitted", -n)
+        discard = lambda n: self.store.add("admitted", -n)  # a replacement may start (take_tickets)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
         self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
@@ -155,14 +186,11 @@ class Rollouts:
                 elif msg["kind"] == "bye":
                     return
         except Exception as e:
-            self.buffer.fail(f"lost a rollout process: {e}")
+            self.buffer.put(RuntimeError(f"lost a rollout process: {e}"))
 
     def idle(self, version):  # borrow_cpus: every engine waits for the weights after `version`
         mark = str(version).encode()
         return all(self.store.get(f"idle{e}") == mark for e in range(len(self.procs)))
-
-    def consume(self, groups):
-        self.done.update(g["pos"] for g in groups)
 
     def resume_state(self):
         while self.next in self.done:  # every position below next is taken
@@ -180,14 +208,6 @@ class Rollouts:
         while not any(e["version"] == version for e in self.evals) and time.time() < deadline:
             self.check_alive()
             time.sleep(0.1)
-
-    def explain(self, error, step):
-        """If a rollout process died, say which and how; -> whether one did."""
-        time.sleep(1)  # a dying process may not have exited yet
-        if gone := self.gone():
-            print(f"error: {gone}, so training stopped at step {step} ({type(error).__name__}: "
-                  f"{str(error)[:200]}); its own error, if any, is printed above", file=sys.stderr)
-        return bool(gone)
 
     def stop(self, timeout_s):  # every engine, on every node, says bye; then ours exit
         sync.announce(self.ctl, -1)

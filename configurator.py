@@ -25,8 +25,7 @@ def _set(cfg, key, value, origin):
     cfg[key] = want(value)  # an int for a float: promoted
 
 
-def apply(scope, argv):
-    """Override the config keys in `scope` (train.py's globals) from argv; -> the config."""
+def apply(scope, argv):  # argv overrides scope's config keys (train.py's globals); -> the config
     cfg = {k: v for k, v in scope.items() if k[0] != "_" and isinstance(v, (int, float, str))}
     for arg in argv:
         if not arg.startswith("--"):
@@ -50,8 +49,7 @@ def apply(scope, argv):
     return cfg
 
 
-def resolve_model(name):
-    """A local model folder, or a Hugging Face hub id (downloaded once) -> a local folder."""
+def resolve_model(name):  # a local model folder, or a hub id (downloaded once) -> a local folder
     make = "`python prepare.py tiny|smollm2` makes one offline"
     if os.path.isdir(name):
         if not os.path.isfile(f"{name}/config.json"):
@@ -67,8 +65,7 @@ def resolve_model(name):
             f"--model=DIR, or {make}")
 
 
-def check(cfg, world):
-    """What can be checked before a process starts; -> the config with the model resolved."""
+def check(cfg, world):  # what can be checked before a process starts; -> cfg, its model resolved
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     import reward
     if cfg["batch_groups"] % world:

@@ -1,10 +1,9 @@
 """loss.py: the trainer's logprobs of the sampled tokens and the GRPO loss on stale samples:
   A_i   = r_i - mean(r of the group)
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
-  w_i   = the geometric mean of rho_t over completion i, 0 outside [is_low, is_high]
+  w_i   = the geometric mean of rho_t over completion i, 0 outside [low, high] = [1/8, 3]
   loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
-One optimizer step per batch: a PPO clip would never bind on fresh tokens; the bounds act on stale.
-"""
+One optimizer step a batch: a PPO clip would never bind on fresh tokens; the bounds act on stale."""
 import math
 from contextlib import contextmanager
 
@@ -13,49 +12,26 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 
-class SampledLogprob(torch.autograd.Function):
-    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time so that [positions x vocabulary]
-    never exists whole; backward recomputes the softmax unless it fits in keep_mb."""
-
-    @staticmethod
-    def forward(ctx, h, w, ids, temperature, rows, keep_mb):
-        keep = h.shape[0] * w.shape[0] * 4 <= keep_mb * 2**20
-        out, ctx.kept = [], []
-        for i in range(0, h.shape[0], rows):
-            z = (h[i:i + rows] @ w.t()).float() / temperature
-            lse = z.logsumexp(1, keepdim=True)
-            out.append(z.gather(1, ids[i:i + rows]) - lse)
-            if keep:
-                ctx.kept.append(z.sub_(lse).exp_())  # the softmax, in place of the logits
-        ctx.save_for_backward(h, w, ids)
-        ctx.temperature, ctx.rows = temperature, rows
-        return torch.cat(out)
-
-    @staticmethod
-    def backward(ctx, g):
-        (h, w, ids), T, rows = ctx.saved_tensors, ctx.temperature, ctx.rows
-        dh, dw = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        for c, i in enumerate(range(0, h.shape[0], rows)):
-            hc, gc = h[i:i + rows], g[i:i + rows]
-            p = ctx.kept[c] if ctx.kept else torch.softmax((hc @ w.t()).float() / T, 1)
-            dz = p * -gc.sum(1, keepdim=True)  # d(z[y] - logsumexp z)/dz = onehot(y) - softmax(z)
-            dz = (dz.scatter_add_(1, ids[i:i + rows], gc) / T).to(h.dtype)
-            dh[i:i + rows] = dz @ w
-            dw += (dz.t() @ hc).float()
-        ctx.kept = None
-        return dh, dw.to(w.dtype), None, None, None, None
+def sampled_logprob(h, w, ids, temperature):  # log_softmax(h @ w.T / T)[ids], in fp32
+    return ((h @ w.t()).float() / temperature).log_softmax(1).gather(1, ids)
 
 
 @contextmanager
 def scoring(net, ids, temperature, rows=1024, keep_mb=512):
-    """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits
-    (FSDP's hooks are on the root, so its forward can be swapped; the clone is for its backward)."""
+    """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits;
+    past keep_mb of logits, `rows` positions at a time, each recomputed in backward ([positions x
+    vocabulary] never exists whole). FSDP's hooks are on the root, so its forward can be swapped."""
     head = net.get_output_embeddings()
 
     def forward(h):
-        lp = SampledLogprob.apply(h.reshape(-1, h.shape[-1]), head.weight,
-                                  ids.reshape(-1, ids.shape[-1]), temperature, rows, keep_mb)
-        return lp.view(*h.shape[:-1], ids.shape[-1]).clone()
+        x, y = h.reshape(-1, h.shape[-1]), ids.reshape(-1, ids.shape[-1])
+        if x.shape[0] * head.weight.shape[0] * 4 <= keep_mb * 2**20:
+            lp = sampled_logprob(x, head.weight, y, temperature)
+        else:
+            lp = torch.cat([checkpoint(sampled_logprob, x[i:i + rows], head.weight, y[i:i + rows],
+                                       temperature, use_reentrant=False)
+                            for i in range(0, x.shape[0], rows)])
+        return lp.view(*h.shape[:-1], ids.shape[-1]).clone()  # the clone: for FSDP's backward
     head.forward = forward
     try:
         yield
@@ -111,10 +87,9 @@ def padded(rows, device, left=False, width=1):  # -> ids, mask [len(rows), longe
 
 
 def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
-    """-> logp, mask [completions, longest], (positions computed, real). Each prompt runs once;
-    its KV cache serves its completions, in chunks of similar length."""
-    n = len(groups[0]["completions"])
-    comps = [c["ids"] for g in groups for c in g["completions"]]
+    """-> logp, mask [completions, longest] (the model's tokens: a tool's are context), (positions
+    computed, real). Each prompt runs once; its KV cache serves its completions, in chunks."""
+    n, comps = len(groups[0]["completions"]), [c["ids"] for g in groups for c in g["completions"]]
     pids, pmask = padded([g["prompt_ids"] for g in groups], device, left=True)
     cids, cmask = padded(comps, device, width=2)  # 2: see Tc below
     with scoring(net, cids[:, :1].reshape(len(groups), 1, n), temperature):  # every first token
@@ -143,7 +118,8 @@ def token_logprobs(net, groups, temperature, device, max_pad=1.1, n_chunks=0):
             logp = logp + 0 * lp.sum()
         else:
             logp = logp.index_put((idx,), torch.nn.functional.pad(lp, (0, cids.shape[1] - Tc)))
-    return logp * cmask, cmask, (computed, real)
+    model = padded([c["mask"] for g in groups for c in g["completions"]], device, width=2)[0]
+    return logp * cmask, cmask * model, (computed, real)
 
 
 def group_advantages(rewards, group_size):  # no division by the std (the results log)
@@ -152,8 +128,8 @@ def group_advantages(rewards, group_size):  # no division by the std (the result
 
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
-    """logp, behav, mask [B, T]; adv [B]; n_tokens: the whole batch's, so that micro-batches and
-    ranks add up to a token mean. -> (loss, tokens whose weight was bounded)"""
+    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks add up to
+    its token mean). -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
     # one ratio per completion: its tokens' geometric mean (ahead of per-token ratios on average)
     n = mask.sum(1, keepdim=True).clamp(min=1)
@@ -164,8 +140,7 @@ def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
     return (per_tok * mask).sum() / n_tokens, bounded
 
 
-def shard(net, dtype, checkpointing=False):
-    """FSDP2: each decoder layer, then the root; fp32 weights and gradient reduction."""
+def shard(net, dtype, checkpointing=False):  # FSDP2: each layer, then the root; fp32 weights, grads
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if checkpointing:
         checkpoint_layers(net)
@@ -175,8 +150,7 @@ def shard(net, dtype, checkpointing=False):
     return fully_shard(net, mp_policy=mp)
 
 
-def agreed_chunks(groups, world, device):
-    """FSDP needs as many forward calls on every rank, not the same shapes: the most chunks."""
+def agreed_chunks(groups, world, device):  # FSDP needs equal forward counts, not shapes: the most
     if world == 1:
         return 0
     lengths = [len(c["ids"]) for g in groups for c in g["completions"]]

@@ -1,11 +1,17 @@
-"""reward.py: the tasks, arithmetic and gsm8k (train and eval lists of {"id", "prompt", "answer"}),
-and their graders. Graders run in processes beside the engine loop; a grade past its time limit is
-killed with its process (sympy can spin in C, where no signal reaches) and scores 0, counted as a
-failure like grader errors. Simplification: reward 1 or 0, no format reward."""
+"""reward.py: the tasks and the processes that run their code. A task (load_task) is its problems
+(train and eval lists of {"id", "prompt", "answer"}), its grade(text, answer) -> reward and
+optionally its turn(text, answer) -> the tool's words after a model turn (appended; the model goes
+on), or None: the answer is final. arithmetic and gsm8k answer in one turn; calculator's word
+problems call a calculator. Grades and tools run in worker processes beside the engine loop; one
+past its time limit is killed with its process (sympy can spin in C, where no signal reaches):
+a failure, like an error. Simplifications: reward 1 or 0, no format reward; a tool's words are
+plain text inside the answer (no tool role in the chat template); a failed tool call ends it."""
+import ast
 import ctypes
 import json
 import multiprocessing
 import multiprocessing.connection
+import operator
 import os
 import random
 import re
@@ -15,10 +21,10 @@ from collections import deque
 from contextlib import suppress
 
 JSONL_HINT = "a jsonl file of {question, answer} lines"
+BOXED = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k's ask
 
 
-def problems(rows, instruction=""):
-    """{"question", "answer"} rows -> the task's problems; gsm8k's answer "... #### 42" is 42."""
+def problems(rows, instruction=""):  # {"question", "answer"} rows -> problems ("... #### 42": 42)
     return [{"id": i, "prompt": (r["question"] + " " + instruction).strip(),
              "answer": str(r["answer"]).split("####")[-1].strip()} for i, r in enumerate(rows)]
 
@@ -44,15 +50,17 @@ def read_jsonl(path):
     return rows
 
 
-def gsm8k(data_path, eval_path, seed, n_eval, instruction=""):
-    """data_path: a jsonl file or a hub dataset id (openai/gsm8k); no eval file: n_eval held out."""
-    for key, path in (("data_path", data_path), ("eval_path", eval_path)):
-        if path and (path.endswith(".jsonl") or os.sep in path) and not os.path.isfile(path):
-            raise ValueError(f"{key} {path!r} not found: point --{key}= at {JSONL_HINT}")
+def gsm8k(data_path, seed, n_eval, instruction=BOXED):
+    """data_path: a hub dataset id (openai/gsm8k: its test split is held out) or a jsonl file
+    (n_eval of its rows held out)."""
+    if (data_path.endswith(".jsonl") or os.sep in data_path) and not os.path.isfile(data_path):
+        raise ValueError(f"data_path {data_path!r} not found: point --data_path= at {JSONL_HINT}")
     if not data_path:
         raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id, online)")
     if os.path.isfile(data_path):
-        train, test = read_jsonl(data_path), read_jsonl(eval_path) if eval_path else None
+        train = read_jsonl(data_path)
+        random.Random(seed).shuffle(train)
+        train, test = train[:-n_eval], train[-n_eval:]
     else:
         try:
             import datasets
@@ -62,18 +70,78 @@ def gsm8k(data_path, eval_path, seed, n_eval, instruction=""):
                              f"({type(e).__name__}: {str(e)[:150]}); offline? point --data_path= "
                              f"at {JSONL_HINT}") from None
         train, test = list(ds["train"]), list(ds["test"])
-    if test is None:
-        random.Random(seed).shuffle(train)
-        train, test = train[:-n_eval], train[-n_eval:]
     return problems(train, instruction), problems(test[:n_eval], instruction)
 
 
+CALL = ("<calc>", "</calc>")  # a model turn that ends in <calc>12 * 34</calc> calls the calculator
+WORDS = ["Each of {a} boxes holds {b} pens. How many pens are there?",
+         "A train travels {b} km every hour for {a} hours. How far does it go?",
+         "A farm has {a} rows of {b} trees. How many trees are there?",
+         "A printer prints {b} pages a minute for {a} minutes. How many pages does it print?"]
+SHOT = ("A farm has 125 cows and buys 37 more. How many cows does it have?", "125 + 37", 162)
+
+
+def calculator(seed, n_eval, tool=True, n=5000):
+    """Products too large for a small model's head, in words, after one worked example (a sum)."""
+    q, expr, value = SHOT
+    shown = f"{CALL[0]}{expr}{CALL[1]}<result>{value}</result>" if tool else f"{expr} = {value}."
+    chat = [{"role": "user", "content": q},
+            {"role": "assistant", "content": f"{shown} The answer is {value}."}]
+    rng, rows = random.Random(seed), []
+    for i in range(n):
+        text, a, b = rng.choice(WORDS), rng.randint(1000, 9999), rng.randint(12, 999)
+        rows.append({"id": i, "prompt": chat + [{"role": "user", "content": text.format(a=a, b=b)}],
+                     "answer": str(a * b)})
+    return rows[n_eval:], rows[:n_eval]
+
+
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+       ast.Div: operator.truediv, ast.USub: operator.neg}
+
+
+def calculate(node):
+    """+ - * / and brackets on numbers, by walking the parsed expression: never eval."""
+    if isinstance(node, str):
+        node = ast.parse(node.replace(",", "").replace("x", "*").strip(" ="), mode="eval").body
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in OPS:
+        args = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.operand,)
+        return OPS[type(node.op)](*map(calculate, args))
+    raise ValueError(f"not arithmetic: {type(node).__name__}")
+
+
+def calculator_turn(text, answer):
+    """After a model turn: <result>value</result> if it ended in a call, else None (final)."""
+    if not text.endswith(CALL[1]):
+        return None
+    try:
+        v = calculate(text[:-len(CALL[1])].rpartition(CALL[0])[2])
+        v = int(v) if v == int(v) else round(v, 6)
+    except (ValueError, ArithmeticError, SyntaxError, TypeError, RecursionError):
+        v = "error"  # the model sees it, and may call again
+    return f"<result>{v}</result>"
+
+
+def grade_calculator(text, answer):  # the number the model states after the last result
+    return grade_number(text.rpartition("</result>")[2], answer)
+
+
 def load_task(cfg):
+    """-> {"train", "eval": problems, "grade": fn, "turn": fn or None, "stop": str or None}; stop:
+    the text that ends a model turn calling the tool (vLLM stops there, then turn runs)."""
+    turn = stop = None
     if cfg["task"] == "arithmetic":
-        return arithmetic(cfg["seed"], cfg["eval_n"])
-    if cfg["task"] == "gsm8k":
-        return gsm8k(*(cfg[k] for k in ("data_path", "eval_path", "seed", "eval_n", "instruction")))
-    raise ValueError(f"unknown task {cfg['task']!r}: use 'arithmetic' or 'gsm8k'")
+        (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
+    elif cfg["task"] == "gsm8k":
+        (train, test), grade = gsm8k(cfg["data_path"], cfg["seed"], cfg["eval_n"]), grade_math
+    elif cfg["task"] == "calculator":  # max_turns=1: the same questions, no calculator offered
+        tool = cfg["max_turns"] > 1
+        (train, test), grade = calculator(cfg["seed"], cfg["eval_n"], tool), grade_calculator
+        turn, stop = (calculator_turn, CALL[1]) if tool else (None, None)
+    else:
+        raise ValueError(f"unknown task {cfg['task']!r}: use arithmetic, gsm8k or calculator")
+    return {"train": train, "eval": test, "grade": grade, "turn": turn, "stop": stop}
 
 
 def extract_answer(text):
@@ -93,30 +161,28 @@ def grade_number(text, answer):
 
 def grade_math(text, answer):
     import logging
-    import math_verify  # its own timers (SIGALRM) are off: the time limit is the Graders' kill
+    import math_verify  # its own timers (SIGALRM) are off: the time limit is the Workers' kill
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": it is ours
     gold = math_verify.parse(answer, parsing_timeout=None)
     return float(math_verify.verify(gold, math_verify.parse(text, parsing_timeout=None),
                                     timeout_seconds=None))
 
 
-def grader(task):
-    return grade_number if task == "arithmetic" else grade_math
-
-
-def safely(grade, text, answer):  # -> (reward, failed)
+def safely(fn, text, answer):  # -> (result, failed): a grade's float, a tool's text or None
     try:
-        return float(grade(text, answer)), False
+        out = fn(text, answer)
+        if isinstance(out, str) and len(out) > 10_000:  # a tool's words: more would never fit
+            raise ValueError(f"{len(out)} characters")
+        return (out if out is None or isinstance(out, str) else float(out)), False
     except Exception:
-        return 0.0, True
+        return None, True
 
 
 def is_flat(group):  # every completion got the same reward: no signal for GRPO
-    rewards = [c["reward"] for c in group["completions"]]
-    return max(rewards) == min(rewards)
+    return len({c["reward"] for c in group["completions"]}) == 1
 
 
-def _grade_forever(conn, grade):  # one grader process: [(text, answer)] in, (reward, failed) out
+def _work_forever(conn):  # one worker process: [(fn, text, answer)] in, (result, failed) out
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the group: the engine ends us
         signal.signal(sig, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
@@ -126,23 +192,23 @@ def _grade_forever(conn, grade):  # one grader process: [(text, answer)] in, (re
         except EOFError:  # the engine is gone
             return
         for job in jobs:  # one reply per answer: the engine times each answer
-            conn.send(safely(grade, *job))
+            conn.send(safely(*job))
 
 
-class Graders:
-    """`workers` grader processes. submit() queues an answer; poll() sends each idle worker its
-    share of the queue in one message and -> [(key, reward, failed)] done since. An answer's clock
-    starts when its worker reaches it: its batch is sent, or the answer before it comes back."""
+class Workers:
+    """Processes for the task's grades and tools. submit() queues fn(text, answer) (fn: a module's
+    function); poll() sends each idle worker its share of the queue in one message and -> [(key,
+    result, failed)] done since. A call's clock starts when its worker reaches it."""
 
-    def __init__(self, grade, workers=2, timeout_s=5.0):
-        self.grade, self.timeout_s = grade, timeout_s
+    def __init__(self, workers=2, timeout_s=5.0):
+        self.timeout_s = timeout_s
         self.ctx = multiprocessing.get_context("spawn")  # the engine's process has threads: no fork
-        self.queue = deque()  # (key, text, answer) not sent yet
+        self.queue = deque()  # (key, fn, text, answer) not sent yet
         self.pool = [self.start() for _ in range(workers)]
 
     def start(self):
         conn, theirs = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_grade_forever, args=(theirs, self.grade), daemon=True)
+        proc = self.ctx.Process(target=_work_forever, args=(theirs,), daemon=True)
         proc.start()
         return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}  # jobs: sent, ungraded
 
@@ -150,10 +216,10 @@ class Graders:
     def busy(self):
         return bool(self.queue) or any(w["jobs"] for w in self.pool)
 
-    def submit(self, key, text, answer):
-        self.queue.append((key, text, answer))
+    def submit(self, key, fn, text, answer):
+        self.queue.append((key, fn, text, answer))
 
-    def wait(self, timeout):  # until a grade comes back, at most timeout seconds
+    def wait(self, timeout):  # until a result comes back, at most timeout seconds
         conns = [w["conn"] for w in self.pool if w["jobs"]]
         if conns:
             multiprocessing.connection.wait(conns, timeout)
@@ -165,12 +231,12 @@ class Graders:
                 while w["jobs"] and w["conn"].poll():
                     done.append((w["jobs"].popleft()[0], *w["conn"].recv()))
                     w["since"] = now
-            except (EOFError, OSError):  # it died: the answer it was on fails, like a stuck one
+            except (EOFError, OSError):  # it died: the call it was on fails, like a stuck one
                 w["since"] = -self.timeout_s
             if w["jobs"] and now - w["since"] > self.timeout_s:
                 w["proc"].kill()
                 w["proc"].join()
-                done.append((w["jobs"].popleft()[0], 0.0, True))
+                done.append((w["jobs"].popleft()[0], None, True))
                 self.queue.extendleft(reversed(w["jobs"]))  # the rest of its batch, first again
                 self.pool[n] = self.start()
         idle = [w for w in self.pool if not w["jobs"]]

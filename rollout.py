@@ -1,12 +1,12 @@
-"""
-rollout.py: one process per vLLM engine, stepped by hand and never waiting for the trainer. Between
-two engine steps it loads announced weights (requests in flight go on; each token is tagged with
-the version that computed it), admits groups under the staleness bound, hands finished answers to
-grader processes and sends graded groups to trainer rank 0. Engine 0 also runs the greedy evals.
+"""rollout.py: one process per vLLM engine, stepped by hand and never waiting for the trainer.
+Between two engine steps it loads announced weights (requests in flight go on; each token is tagged
+with the version that computed it), admits groups under the staleness bound, hands each finished
+turn to the task's worker processes (reward.py) and sends graded groups to trainer rank 0. A turn
+the task's tool answers goes on as a new request over the dialogue so far, the tool's tokens
+included (context, never trained): one completion, up to max_turns. Engine 0 runs the evals too.
 Simplifications: the engine core runs in this process (on a GPU, vLLM's async scheduling keeps the
 device busy while this loop works); a group is n=1 requests sharing their prompt's KV cache; no
-top-k/top-p (the logprobs would be of a truncated distribution); no speculative decoding.
-"""
+top-k/top-p (the logprobs would be of a truncated distribution); no speculative decoding."""
 import ctypes
 import json
 import os
@@ -14,7 +14,6 @@ import queue
 import random
 import resource
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,40 +21,13 @@ import traceback
 
 import reward
 import sync
-from configurator import die
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat by the dozen
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
-TORCHRUN_ENV = ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK "
-                "ROLE_RANK ROLE_WORLD_SIZE GROUP_WORLD_SIZE OMP_NUM_THREADS").split()
-COUNTERS = ("reward_failed skipped_long rollout_tokens rollout_engine_s rollout_load_s "
-            "rollout_grade_s rollout_rss_mb").split()  # cumulative, sent with every message
-
-
-def place(cfg, world, local_world, device, leader):
-    """-> (this node's engines' GPUs, after its trainer ranks; cores a lone CPU rank may borrow)."""
-    E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
-    if device.type == "cpu":
-        cores = cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
-        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0  # borrow_cpus
-        if cores and not borrow:
-            os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
-        return [[] for _ in range(E)] if leader else [], borrow
-    import torch
-    torch.cuda.set_device(device)
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(
-        map(str, range(torch.cuda.device_count())))
-    gpus, first = gpus.split(","), 0 if cfg["colocate"] else local_world
-    if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
-        die("colocate runs 1 trainer rank and 1 engine with tensor_parallel_size=1 on one GPU: "
-            "--nproc_per_node=1 --rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
-    if leader and first + E * tp > len(gpus):
-        die(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} need more than "
-            f"the {len(gpus)} GPUs of this node: fewer trainer ranks or --rollout_engines, or "
-            "--colocate")
-    return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if leader else [], 0
+COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "  # summed,
+            "rollout_load_s rollout_grade_s rollout_rss_mb").split()  # sent with every message
 
 
 def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
@@ -63,24 +35,11 @@ def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
     return set(range(int(lo), int(hi or lo) + 1)) if spec else set()
 
 
-def spawn(cfg, engine_gpus, first, engines, host):
-    """This node's engines, numbered first, first + 1, ..., as processes (not torchrun ranks)."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # vLLM workers import sync
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in-process: what tag() relies on
-    if spec := cfg["rollout_cpus"]:
-        env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(cpus(spec))))
-    cfg = json.dumps(dict(cfg, engines=engines, host=host))
-    return [subprocess.Popen([sys.executable, f"{ROOT}/rollout.py", cfg, str(first + e)],
-                             env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
-            for e, gpus in enumerate(engine_gpus)]
-
-
-def format_prompt(tok, text):
+def format_prompt(tok, prompt):  # a user's text, or chat messages
+    chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not tok.chat_template:
-        return tok.encode(text)
-    text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                   tokenize=False)
+        return tok.encode("\n".join(m["content"] for m in chat))
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -103,9 +62,9 @@ def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
 
 
 def take_tickets(store, want, version, v0, cfg):
-    """The staleness bound, one budget for all engines: batch k is trained at version k, so a group
-    admitted at version v is at most max_staleness old then iff at most (v - v0 + max_staleness + 1)
-    * batch_groups were admitted since v0, less those discarded (flat or stale). -> how many."""
+    """The staleness bound, one budget for all engines: batch k trains at version k, so a group
+    started at version v is at most max_staleness old then iff at most (v - v0 + max_staleness + 1)
+    * batch_groups started since v0, less those discarded. -> how many of `want` may start."""
     allowed = (version - v0 + cfg["max_staleness"] + 1) * cfg["batch_groups"]
     over = min(want, max(0, store.add("admitted", want) - allowed))
     if over:  # give those back (another engine may briefly see a few too many)
@@ -113,8 +72,17 @@ def take_tickets(store, want, version, v0, cfg):
     return want - over
 
 
-def tag(starts, n):
-    """Each of n tokens' version from starts [(version, first token it computed)], in order."""
+def completion():  # built turn by turn, as the trainer gets it
+    return {"ids": [], "logprobs": [], "versions": [], "mask": [], "text": "", "turns": 0}
+
+
+def extend(c, ids, logprobs, versions, model):  # model: 1 (trained) or 0 (the tool's, context)
+    for key, xs in zip(("ids", "logprobs", "versions", "mask"),
+                       (ids, logprobs, versions, [model] * len(ids))):
+        c[key] += xs
+
+
+def tag(starts, n):  # n tokens' versions, from starts [(version, the first token it computed)]
     return [next(v for v, i in reversed(starts) if i <= t) for t in range(n)]
 
 
@@ -130,7 +98,8 @@ class Rollout:
         self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
         # steps launched but not yet returned by step(): 1 with async scheduling, else 0
         self.lag = self.engine.vllm_config.max_concurrent_batches - 1
-        train_set, self.eval_set = reward.load_task(cfg)
+        self.task = reward.load_task(cfg)
+        train_set, self.eval_set = self.task["train"], self.task["eval"]
         for p in train_set + self.eval_set:
             p["ids"] = list(format_prompt(self.tok, p["prompt"]))
         room = cfg["max_model_len"] - cfg["max_new_tokens"]  # a longer prompt leaves none to answer
@@ -141,8 +110,7 @@ class Rollout:
                              "raise max_model_len or lower max_new_tokens")
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["skipped_long"] = len(train_set) - len(self.train_set) if e == 0 else 0
-        self.graders = reward.Graders(reward.grader(cfg["task"]), cfg["grader_workers"],
-                                      cfg["reward_timeout_s"])
+        self.workers = reward.Workers(cfg["grader_workers"], cfg["reward_timeout_s"])
         self.store = sync.open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
         self.store.set(f"idle{e}", "")  # borrow_cpus (mark_idle), before we say we joined
         self.store.set(f"joined{e}", "1")
@@ -151,11 +119,12 @@ class Rollout:
         start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]
-        # only finished answers, undecoded (step() decodes each once), logprobs in flat lists
-        quiet = dict(n=1, max_tokens=cfg["max_new_tokens"], detokenize=False, flat_logprobs=True,
-                     output_kind=RequestOutputKind.FINAL_ONLY)
-        self.sample = SamplingParams(temperature=cfg["temperature"], logprobs=0, **quiet)
-        self.greedy = SamplingParams(temperature=0.0, logprobs=0, **quiet)
+        # finished turns only, flat logprobs; undecoded (step() decodes) unless a tool call ends one
+        quiet = dict(n=1, logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
+                     detokenize=bool(self.task["stop"]), stop=self.task["stop"],
+                     include_stop_str_in_output=True)
+        self.params = lambda greedy, room: SamplingParams(
+            temperature=0.0 if greedy else cfg["temperature"], max_tokens=room, **quiet)
         self.groups, self.perm, self.inbox = {}, {}, queue.Queue()
         self.starts = {}  # request id -> [(version, index of the first token it computed)]
         self.evals = {}  # engine 0's evals in progress, by version: groups of their own
@@ -171,10 +140,10 @@ class Rollout:
         except Exception as e:
             self.inbox.put(e)
 
-    def messages(self):  # what the trainer sent; idle, wait briefly for it or a grade. False: stop
+    def messages(self):  # what the trainer sent; idle, wait briefly for it or a worker. False: stop
         block = not self.engine.has_unfinished_requests()
-        if block and self.graders.busy:
-            self.graders.wait(0.05)  # wakes at the first grade
+        if block and self.workers.busy:
+            self.workers.wait(0.05)  # wakes at the first result
             block = False
         while True:
             try:
@@ -212,11 +181,14 @@ class Rollout:
             self.start_eval()
 
     def start_eval(self):  # a group of its own, beside the training groups, across loads
-        n, gid = len(self.eval_set), f"eval{self.version}"
-        self.evals[gid] = {"version": self.version, "problems": self.eval_set, "comps": [None] * n,
-                           "left": 2 * n}
-        for j, p in enumerate(self.eval_set):
-            self.add(f"{gid}/{j}", p["ids"], self.greedy)
+        self.open(self.evals, f"eval{self.version}", self.eval_set, True, version=self.version)
+
+    def open(self, where, gid, problems, greedy, **group):  # a request per problem, to grade all
+        where[gid] = {"problems": problems, "comps": [completion() for _ in problems],
+                      "left": len(problems), **group}
+        params = self.params(greedy, self.cfg["max_new_tokens"])
+        for j, p in enumerate(problems):
+            self.add(f"{gid}/{j}/0", p["ids"], params)
 
     def admit(self):
         """New groups while the staleness budget allows: a round trip for tickets, one for the
@@ -237,38 +209,59 @@ class Rollout:
             if epoch not in self.perm:
                 rng = random.Random(f"{self.cfg['seed']}/{epoch}")
                 self.perm = {epoch: rng.sample(range(N), N)}
-            problem, gid = self.train_set[self.perm[epoch][i]], f"g{self.n_groups}"
-            self.n_groups += 1
-            n = self.cfg["group_size"]
-            self.groups[gid] = {"pos": k, "problems": [problem] * n, "comps": [None] * n,
-                                "left": 2 * n}  # answers to finish, then to grade
-            for j in range(n):
-                self.add(f"{gid}/{j}", problem["ids"], self.sample)
+            problem, self.n_groups = self.train_set[self.perm[epoch][i]], self.n_groups + 1
+            self.open(self.groups, f"g{self.n_groups}", [problem] * self.cfg["group_size"], False,
+                      pos=k)
 
     def step(self):
-        """One engine step; the answers it finished go to the graders."""
+        """One engine step; each turn it finished goes to the task's turn or grade (workers)."""
         for out in self.engine.step():  # finished requests only
-            o, rid, (gid, i) = out.outputs[0], out.request_id, out.request_id.rsplit("/", 1)
-            g, text = self.group(gid), self.tok.decode(o.token_ids, skip_special_tokens=True)
-            g["comps"][int(i)] = {"ids": list(o.token_ids), "logprobs": o.logprobs.logprobs,
-                                  "versions": tag(self.starts.pop(rid), len(o.token_ids)),
-                                  "text": text, "cut": o.finish_reason == "length"}
-            self.graders.submit(rid, text, g["problems"][int(i)]["answer"])
-            g["left"] -= 1
+            o, rid, (gid, i, _) = out.outputs[0], out.request_id, out.request_id.split("/")
+            c, n = self.group(gid)["comps"][int(i)], len(o.token_ids)
+            extend(c, o.token_ids, o.logprobs.logprobs, tag(self.starts.pop(rid), n), 1)
+            c["text"] += o.text or self.tok.decode(o.token_ids, skip_special_tokens=True)
+            c["turns"], c["cut"] = c["turns"] + 1, o.finish_reason == "length"
+            final = c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]
+            self.submit(gid, int(i), "grade" if final else "turn")
+
+    def submit(self, gid, i, fn):
+        g = self.group(gid)
+        self.workers.submit((gid, i, fn), self.task[fn], g["comps"][i]["text"],
+                            g["problems"][i]["answer"])
 
     def group(self, gid):
         return self.groups.get(gid) or self.evals[gid]
 
     def grades(self):
-        """Rewards from the graders; a group whose answers are all graded goes to the trainer."""
-        for rid, r, failed in self.graders.poll():
-            self.counters["reward_failed"] += failed
-            gid, i = rid.rsplit("/", 1)
+        """The workers' results: a tool's words go on; a group all graded goes to the trainer."""
+        for (gid, i, fn), result, failed in self.workers.poll():
             g = self.group(gid)
-            g["comps"][int(i)]["reward"] = r
+            if fn == "turn":  # the tool's words; None: the answer is final; a failure ends it
+                self.counters["tool_failures"] += failed
+                if not (isinstance(result, str) and self.go_on(gid, i, result)):
+                    self.submit(gid, i, "grade")
+                continue
+            ok = isinstance(result, float)  # else it failed, or returned no number
+            self.counters["reward_failed"] += not ok
+            g["comps"][i]["reward"] = result if ok else 0.0
             g["left"] -= 1
             if not g["left"]:
                 self.send(self.groups.pop(gid, None) or self.evals.pop(gid))
+
+    def go_on(self, gid, i, words):
+        """The tool's tokens, then the next turn: a new request over the whole dialogue (prefix
+        caching keeps it cheap). -> False if the words leave no room for it (the answer is cut)."""
+        g, env = self.group(gid), self.tok.encode(words, add_special_tokens=False)
+        c = g["comps"][i]
+        room = self.cfg["max_new_tokens"] - len(c["ids"]) - len(env)
+        if room <= 0:
+            c["cut"] = True
+            return False
+        extend(c, env, [0.0] * len(env), [self.version] * len(env), 0)
+        c["text"] += words
+        self.add(f"{gid}/{i}/{c['turns']}", g["problems"][i]["ids"] + c["ids"],
+                 self.params("version" in g, room))
+        return True
 
     def send(self, g):
         versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
@@ -283,13 +276,11 @@ class Rollout:
                "version_min": min(versions), "version_max": max(versions)}
         if self.cfg["drop_flat"] and reward.is_flat(msg):  # the trainer skips it: replace it now
             self.store.add("admitted", -1)
-        self.counters["rollout_tokens"] += sum(len(c["ids"]) for c in g["comps"])
+        self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in g["comps"])  # generated
         self.mark_idle()  # before the trainer can see this group and look
         self.post(msg)
 
-    def mark_idle(self):
-        """borrow_cpus: store key idle{e} = the version this engine waits on with nothing to do
-        (at the bound, no request, grade or load), so a lone CPU trainer rank borrows its cores."""
+    def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait on, with nothing to do
         busy = self.groups or self.evals or self.pending is not None or not self.retry_at
         if (mark := "" if busy else str(self.version)) != self.idle:
             self.store.set(f"idle{self.e}", mark)
@@ -317,7 +308,7 @@ class Rollout:
             self.grades()
             self.counters["rollout_engine_s"] += t1 - t0
             self.counters["rollout_grade_s"] += time.perf_counter() - t1
-        self.graders.close()
+        self.workers.close()
         self.post({"kind": "bye"})
 
 
@@ -330,8 +321,7 @@ if __name__ == "__main__":
         os.sched_setaffinity(0, cpus(config["rollout_cpus"]))
     try:
         Rollout(config, int(sys.argv[2])).run()
-    except Exception as e:
+    except Exception:
         traceback.print_exc()
-        print(f"rollout {sys.argv[2]}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # at once: vLLM's threads can hold a normal exit, and the trainer waits on it
     os._exit(0)

@@ -1,9 +1,8 @@
-"""sync.py: the wires between trainer and rollout engines, set up by a TCPStore on trainer rank 0
-(which also holds the bucket plan and rollout.py's admission counters). ctl (gloo) announces each
-new version; traj (gloo) brings back groups and evals. Weights go from trainer rank 0 into each vLLM
-worker by NCCL (gloo on CPU) through two bucket buffers a side; colocated, the buffers are shared
-(CUDA IPC, /dev/shm) and gloo only signals. Simplifications: a fixed weight layout; buckets cut at
-tensor boundaries."""
+"""sync.py: the trainer <-> rollout engine wires, set up by a TCPStore on trainer rank 0 (which also
+holds the bucket plan and rollout.py's admission counters). Gloo: ctl announces each new version,
+traj brings back groups and evals. Weights go from trainer rank 0 to each vLLM worker by NCCL (gloo
+on CPU) through two bucket buffers a side; colocated, the buffers are shared (CUDA IPC, /dev/shm)
+and gloo only signals. Simplifications: a fixed weight layout; buckets cut at tensor boundaries."""
 import math
 import os
 import pickle

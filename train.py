@@ -1,14 +1,11 @@
-"""
-train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value ...]`
-(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; each node's first
-rank starts its vLLM engines (rollout.py), which generate all the time. Each optimizer step takes a
-batch (the one wait for generation, buffer.py), computes the loss (loss.py), steps, pushes the new
-weights into every vLLM worker (sync.py) and logs (metrics.py). Version k = the weights after k
-steps; batch k is trained at version k. Ctrl-C, SIGTERM or a stall (stall_s) stops every rank at
-the next step boundary. Simplifications: one optimizer step per batch; AdamW at a constant
-learning rate; no KL penalty and no reference model (beta = 0, as in DAPO); trainer rank 0 alone
-talks to the engines.
-"""
+"""train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`:
+N trainer ranks shard the policy with FSDP2; each node's first rank starts its vLLM engines
+(rollout.py), which generate all the time. Each optimizer step takes a batch (the one wait for
+generation, buffer.py), computes the loss (loss.py), steps, pushes the new weights into every vLLM
+worker (sync.py) and logs (metrics.py). Version k = the weights after k steps; batch k is trained
+at version k. Ctrl-C, SIGTERM or a stall stops every rank at the next step boundary.
+Simplifications: one optimizer step per batch; AdamW at a constant learning rate; no KL penalty,
+no reference model (beta = 0, as in DAPO); trainer rank 0 alone talks to the engines."""
 import json
 import os
 import signal
@@ -26,32 +23,27 @@ import buffer as buf
 import configurator
 import loss as L
 import metrics
-import rollout
 import sync
 
 # -------------------------------------------------------------------------------------------------
 # default config: config/*.py files, then --key=value, override these (configurator.py)
 model = "data/tiny"  # a Hugging Face model folder, or a hub id (online)
-task = "arithmetic"  # arithmetic | gsm8k (reward.py)
-data_path = ""  # gsm8k: a jsonl of {"question", "answer"}, or a hub dataset id (openai/gsm8k)
-eval_path = ""  # gsm8k: held-out jsonl; "" = the hub's test split, or eval_n of data_path
-instruction = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k
+task = "arithmetic"  # arithmetic | gsm8k | calculator (reward.py)
+data_path = ""  # gsm8k: a jsonl of {"question", "answer"} (eval_n held out), or a hub dataset id
 out_dir = "out"
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
 batch_groups = 8  # prompt groups per step, split over the trainer ranks
 group_size = 8  # completions per prompt
-max_new_tokens = 64
+max_new_tokens = 64  # per completion: all its turns and tool results
+max_turns = 4  # model turns per completion, for a task with a tool (calculator: 1 = no tool)
 temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
-weight_decay = 0.0
 grad_clip = 1.0
 micro_batch_groups = 1  # prompt groups per forward/backward
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
 max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
-is_low = 0.125  # a completion whose importance weight (loss.py) is outside [is_low, is_high]
-is_high = 3.0  # is left out of the loss: too far off-policy to correct
 eval_every = 5  # greedy held-out eval every this many versions, at the start and end; 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines on each node, each on tensor_parallel_size GPUs after its ranks'
@@ -72,16 +64,12 @@ timeout_s = 120  # a peer silent this long is dead: the run exits instead of han
 stall_s = 600  # waiting this long for a batch with nothing usable (none, flat, stale) stops the run
 reward_timeout_s = 5.0  # a grade running longer is killed and scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
-wandb_log = False  # also log to Weights & Biases (WANDB_MODE=offline needs no network)
-wandb_project = "nanoasync"
 ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, on a signal; 0 = never
 resume = False  # continue exactly from {out_dir}/ckpt.pt
 # -------------------------------------------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
-for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": "29500"}.items():
-    os.environ.setdefault(k, v)  # plain `python train.py`: one rank
+if "GROUP_RANK" not in os.environ:
+    configurator.die("start it with torchrun: torchrun --nproc_per_node=1 train.py config/X.py")
 rank, world, local_rank, local_world, node, nodes = (int(os.environ[k]) for k in (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
 master = rank == 0
@@ -94,10 +82,9 @@ if not cuda and torch.version.cuda:  # a CUDA build of torch (and vLLM) that see
     configurator.die(f"torch {torch.__version__} sees no GPU: CUDA 13 needs NVIDIA driver >= 580 "
                      "(nvidia-smi); or CUDA_VISIBLE_DEVICES is empty; no GPU: requirements-cpu.txt")
 device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
-engine_gpus, borrow = rollout.place(config, world, local_world, device, local_rank == 0)
+engine_gpus, borrow = buf.place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
-torch.manual_seed(seed)
 threads = torch.get_num_threads()  # OMP_NUM_THREADS (torchrun's default: 1)
 # ranks 1.. wait for each batch as long as rank 0 does (stall_s bounds it), not timeout_s
 batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
@@ -105,13 +92,12 @@ batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
 L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing)
-optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
 
 
 def full_weights(dtype=getattr(torch, trainer_dtype)):
-    """(name, full tensor), cast before the gather (half the bytes in bf16); a tied embedding comes
-    once. A collective: every rank runs it."""
+    """(name, full tensor), cast before the gather (half the bytes in bf16). Every rank runs it."""
     for name, p in policy.named_parameters():
         p = p.detach().to(dtype)
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
@@ -123,8 +109,7 @@ ckpt_path, ckpt = os.path.join(out_dir, "ckpt.pt"), {}
 
 
 def save_checkpoint(version):
-    """Every rank gathers; rank 0 writes atomically (a crash mid-write leaves the previous file)
-    with what it needs to go on exactly: the prompt stream's position, the counters."""
+    """Every rank gathers; rank 0 writes atomically, with the prompt stream's position."""
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
@@ -152,8 +137,8 @@ if master:
     fleet = buf.Rollouts(config, buckets, device, engine_gpus, ckpt, lambda: stop_signal, nodes)
     log = metrics.Log(config, start, ckpt)
 elif engine_gpus:  # another node's engines: numbered on from node 0's, they talk to rank 0 only
-    engines = rollout.spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
-                            os.environ["MASTER_ADDR"])
+    engines = buf.spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
+                        os.environ["MASTER_ADDR"])
 
 
 def push_weights(version):  # every rank gathers; rank 0 sends
@@ -166,15 +151,15 @@ def push_weights(version):  # every rank gathers; rank 0 sends
 def micro_batch(groups, step, n_tok):
     """Loss and backward of a micro-batch of groups -> its share of metrics.SUMS."""
     n_chunks = L.agreed_chunks(groups, world, device)
-    logp, mask, positions = L.token_logprobs(policy, groups, temperature, device, n_chunks=n_chunks)
+    logp, mask, _ = L.token_logprobs(policy, groups, temperature, device, n_chunks=n_chunks)
     comps, W = [c for g in groups for c in g["completions"]], logp.shape[1]
     pad = lambda key: torch.tensor([c[key] + [0] * (W - len(c[key])) for c in comps], device=device)
     behav, rewards = pad("logprobs"), torch.tensor([c["reward"] for c in comps], device=device)
     adv = L.group_advantages(rewards, group_size)
-    loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok, is_low, is_high)
+    loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok)  # its weight bounds: loss.py
     fresh = pad("versions") == step  # sampled by the weights being trained
     (loss * world).backward()  # FSDP averages over ranks; the loss is already a global token mean
-    return metrics.token_sums(loss, bounded, logp, behav, mask, fresh, positions)
+    return metrics.token_sums(loss, bounded, logp, behav, mask, fresh)
 
 
 version = step = start
@@ -189,7 +174,7 @@ try:
             if master:
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive,
                                                         log.waiting)
-                n_tok = sum(len(c["ids"]) for g in groups for c in g["completions"])  # flat too
+                n_tok = sum(sum(c["mask"]) for g in groups for c in g["completions"])  # flat too
                 box = [(buf.split(buf.worth_a_forward(groups, world), world), n_tok)]
         except buf.Stopped as e:
             box = [str(e)]  # why: every rank stops at this step boundary
@@ -227,7 +212,7 @@ try:
             log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
                      t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync, sync_bytes=sync_bytes,
                      borrowed_frac=borrowed / len(micro_batches))
-            fleet.consume(seen)
+            fleet.done.update(g["pos"] for g in seen)  # positions taken, for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version)
     # ---- the end: the final eval; the model in Hugging Face format ----
@@ -247,10 +232,11 @@ except buf.Stopped as e:
         print(f"stopped at step {step}: {e}{saved}", file=sys.stderr, flush=True)
     dist.destroy_process_group()  # at exit, torch's own teardown of the groups aborts the process
     sys.exit(128 + stop_signal[0] if stop_signal else 1)
-except Exception as e:
-    if not master or not fleet.explain(e, step):  # a broken connection: did a rollout process die?
-        raise
-    sys.exit(1)
+except Exception:
+    if master:  # a broken connection: did a rollout process die? then the error names it
+        time.sleep(1)  # a dying process may not have exited yet
+        fleet.check_alive(False)
+    raise
 finally:
     buf.kill(fleet.procs if master else engines)
 dist.destroy_process_group()

@@ -7,7 +7,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach for the hub; a hub id fails at once
-os.environ["WANDB_MODE"] = "offline"  # --wandb_log writes its run to out_dir/wandb, nothing is sent
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,8 @@ g = torch.Generator().manual_seed(0)
 ids = lambda n: torch.randint(5, 500, (n,), generator=g).tolist()
 lens = [[1, 2, 2, 3], [40, 41, 1, 3], [5, 6, 7, 8], [39, 2, 40, 1]]  # rank 1 gets the long ones
 groups = [{"prompt_ids": ids(5 + i),
-           "completions": [{"ids": ids(n), "reward": float(i == j)} for j, n in enumerate(ls)]}
+           "completions": [{"ids": ids(n), "mask": [1] * n, "reward": float(i == j)}
+                           for j, n in enumerate(ls)]}
           for i, ls in enumerate(lens)]
 n_tok, positions = float(sum(map(sum, lens))), torch.zeros(2, dtype=torch.float64)
 for grp in buffer.split(groups, world)[rank]:  # one group per micro-batch

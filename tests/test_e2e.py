@@ -13,13 +13,15 @@ import psutil
 import pytest
 import torch
 
+import tool_task
 from conftest import ROOT, free_port
 
 KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max "
-        "mixed_version_frac dropped_stale dropped_flat loss bounded_frac_stale "
-        "cut_frac logprob_mismatch logprob_shift_reloaded logprob_shift_stale grad_norm samples "
+        "dropped_stale dropped_flat loss bounded_frac_stale "
+        "cut_frac logprob_mismatch logprob_shift_reloaded grad_norm samples "
         "gen_tokens t_wait_s t_train_s t_sync_s elapsed_s borrowed_frac sync_bytes engine_groups "
-        "pad_frac reward_failed rollout_grade_s").split()
+        "turns_mean "
+        "reward_failed rollout_grade_s").split()
 SYNC = ("--max_staleness=0", "--eval_every=0")
 
 
@@ -75,7 +77,7 @@ def sync_run(tiny, tmp_path_factory):
 @pytest.mark.parametrize("nproc, eta", [(1, 1), (2, 2)])
 def test_async_run(tiny, tmp_path, nproc, eta):
     steps, evals, _ = train(tmp_path, f"--max_staleness={eta}", "--max_steps=6",
-                            f"--wandb_log={nproc == 1}", nproc=nproc)
+                            nproc=nproc)
     assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
     for m in steps:
         assert all(k in m for k in KEYS), set(KEYS) - set(m)
@@ -95,8 +97,6 @@ def test_async_run(tiny, tmp_path, nproc, eta):
     assert (len(samples) == 6 * 4
             and {"prompt", "completion", "reward", "versions"} <= set(samples[0]))
     assert samples[0]["prompt"].startswith("What is ") and samples[-1]["step"] == 5
-    # --wandb_log: an offline run beside the metrics
-    assert (tmp_path / "wandb").is_dir() == (nproc == 1)
     from transformers import AutoModelForCausalLM
     # the final model, in Hugging Face format
     trained = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -108,6 +108,25 @@ slow = reward.grade_number
 reward.grade_number = functools.wraps(slow)(
     lambda text, answer: time.sleep(0.05) or slow(text, answer))
 """
+
+
+def test_a_task_with_a_tool_trains_on_the_models_tokens_across_turns(tiny, tmp_path):
+    """tests/tool_task.py's tool in every process of the run, η = 0 in fp32: the behaviour
+    logprobs of the model's tokens, over all turns, equal the trainer's; the tool's tokens are
+    counted apart; calls that raise, hang past reward_timeout_s or return a megabyte are counted
+    failures that end their answer, and the run goes on."""
+    hook = tool_task.install(tmp_path / "hook")
+    env = dict(os.environ, TOOL_MISBEHAVES="1",
+               PYTHONPATH=os.pathsep.join([str(hook), f"{ROOT}/tests", ROOT]))
+    steps, _, _ = train(tmp_path / "run", *SYNC, "--max_steps=4", "--max_turns=3",
+                        "--reward_timeout_s=2", env=env)
+    for m in steps:
+        assert m["logprob_mismatch"] < 1e-4 and m["staleness_max"] == 0, m
+        assert 1 <= m["turns_mean"] <= 3 and m["tool_calls_mean"] == m["turns_mean"] - 1, m
+    assert max(m["tool_calls_mean"] for m in steps) > 0.2, steps
+    assert 0 < max(m["env_token_frac"] for m in steps) < 0.5 and steps[-1]["tool_failures"] > 0
+    dialogues = [json.loads(line)["completion"] for line in open(tmp_path / "run/samples.jsonl")]
+    assert any(" = " in d for d in dialogues)  # samples.jsonl shows the tool's words too
 
 
 def test_a_slow_grader_does_not_stall_the_engine(tiny, tmp_path):
@@ -128,13 +147,14 @@ def test_synchronous_run_is_on_policy(sync_run):
     _, steps = sync_run
     assert len(steps) == 6
     for k, m in enumerate(steps):
-        assert m["staleness_max"] == 0 and m["mixed_version_frac"] == 0
+        assert m["staleness_max"] == 0 and m["logprob_shift_reloaded"] is None
         # batch k = the stream's k-th four prompts
         assert m["prompts"] == [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3]
         # every token was sampled by the weights being trained: after 5 weight pushes the
         # trainer's logprobs still equal vLLM's (fp32), so the sync and the sampled-distribution
         # logprobs are both right
         assert m["logprob_mismatch"] < 1e-4
+        assert m["turns_mean"] == 1 and m["tool_calls_mean"] == m["env_token_frac"] == 0
         # vLLM generated this whole batch and said it waits for the weights being trained:
         # its core was lent
         assert m["borrowed_frac"] == 1.0

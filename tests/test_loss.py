@@ -25,8 +25,8 @@ def one_token(adv, ratio, **kw):
     (1.0, 1.5, -1.5, -1.5, 0),    # moved far already: still the full weight (no clip silences it)
     (-1.0, 0.5, 0.5, 0.5, 0),     # a bad token pi_theta already avoids: its push down shrinks
                                   # with rho
-    (1.0, 5.0, 0.0, 0.0, 1),      # above is_high: too far off-policy, left out of the loss
-    (-1.0, 0.1, 0.0, 0.0, 1),     # below is_low: the same
+    (1.0, 5.0, 0.0, 0.0, 1),      # above high: too far off-policy, left out of the loss
+    (-1.0, 0.1, 0.0, 0.0, 1),     # below low: the same
     (0.0, 1.7, 0.0, 0.0, 0),      # zero advantage: nothing
 ])
 def test_importance_weights_and_their_bounds(adv, ratio, want_loss, want_grad, bounded):
@@ -95,7 +95,8 @@ def plain_logprobs(model, groups, temperature):
 def random_groups(vocab, lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(5, vocab, (n,), generator=g).tolist()
-    return [{"prompt_ids": ids(7 + 4 * i), "completions": [{"ids": ids(n)} for n in ls]}
+    return [{"prompt_ids": ids(7 + 4 * i),
+             "completions": [{"ids": ids(n), "mask": [1] * n} for n in ls]}
             for i, ls in enumerate(lens)]
 
 
@@ -142,6 +143,39 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
         assert (logp[i, n:] == 0).all() and (mask[i, n:] == 0).all() and (mask[i, :n] == 1).all()
     for n, p in model.named_parameters():
         assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_environment_tokens_never_reach_the_loss(tiny):
+    """A tool's tokens inside a completion (mask 0) are context only: whatever behaviour logprobs
+    they carry, every weight's gradient is the same; the same change on the model's tokens changes
+    it (so this test can fail)."""
+    from transformers import AutoModelForCausalLM
+    import loss
+    model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
+    groups = random_groups(model.config.vocab_size, [[12, 20, 7, 16]])
+    for c, (a, b) in zip(groups[0]["completions"], [(3, 6), (5, 12), (0, 0), (9, 16)]):
+        c["mask"] = [0 if a <= t < b else 1 for t in range(len(c["ids"]))]
+        c["logprobs"] = [-1.0] * len(c["ids"])
+
+    def grads(where, shift):  # the loss's gradients, behaviour logprobs off by shift at `where`
+        model.zero_grad()
+        logp, mask, _ = loss.token_logprobs(model, groups, 1.0, "cpu")
+        behav = logp.detach().clone()  # on-policy: every weight 1, inside the bounds
+        for i, c in enumerate(groups[0]["completions"]):
+            for t, m in enumerate(c["mask"]):
+                behav[i, t] += shift if where(m) else 0.0
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        out, _ = grpo_loss(logp, behav, adv, mask, float(mask.sum()))
+        out.backward()
+        return mask, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    mask, base = grads(lambda m: False, 0.0)
+    assert mask.sum() == 12 + 20 + 7 + 16 - 3 - 7 - 7  # the model's tokens only
+    assert any(g.abs().sum() > 0 for g in base.values())
+    _, env = grads(lambda m: m == 0, -30.0)  # wild behaviour logprobs on the tool's tokens
+    assert all(torch.equal(base[n], env[n]) for n in base)
+    _, model_tok = grads(lambda m: m == 1, 0.3)
+    assert not all(torch.allclose(base[n], model_tok[n]) for n in base)
 
 
 def test_chunks_split_to_an_agreed_count():

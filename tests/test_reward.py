@@ -39,9 +39,9 @@ def sleepy(text, answer):
     time.sleep(60)
 
 
-def grade_all(graders, answers, answer="42"):
+def grade_all(graders, answers, answer="42", fn=reward.grade_math):
     for i, text in enumerate(answers):
-        graders.submit(i, text, answer)
+        graders.submit(i, fn, text, answer)
     got = {}
     while len(got) < len(answers):
         got.update({k: (r, failed) for k, r, failed in graders.poll()})
@@ -59,35 +59,44 @@ PATHOLOGICAL = ["\\boxed{9^{9^{9^{9^{9}}}}}",  # a power tower sympy would try t
 def test_pathological_answers_are_graded_within_the_time_limit():
     """math-verify's own timers are off; a grade past the limit is killed with its process and
     scores 0, and the replacement process grades the next answers."""
-    graders = reward.Graders(reward.grade_math, workers=2, timeout_s=3.0)
+    graders = reward.Workers(workers=2, timeout_s=3.0)
     t0 = time.time()
     got = grade_all(graders, PATHOLOGICAL + ["\\boxed{42}"])
     elapsed = time.time() - t0
     graders.close()
-    assert got[0] == (0.0, True)  # the power tower timed out
+    assert got[0] == (None, True)  # the power tower timed out
     assert got[-1] == (1.0, False)  # graded after the killed ones, by a fresh process
-    assert all(r in (0.0, 1.0) for r, _ in got)
+    assert all(r in (None, 0.0, 1.0) for r, _ in got)
     assert elapsed < 3.0 * len(got) / 2 + 10  # two processes, each answer at most the limit
 
 
-def test_a_raising_or_hanging_grader_scores_zero_and_is_counted():
-    graders = reward.Graders(boom, workers=1, timeout_s=1.0)
-    assert grade_all(graders, ["42"]) == [(0.0, True)]
+def flood(text, answer):
+    return "1" * 2**20
+
+
+def test_a_raising_hanging_or_flooding_call_fails_and_is_counted():
+    """The same for grades and tools: an exception, a call past the limit (killed with its process)
+    or a megabyte of output is a failure, never a crash or a hang; the next call is served."""
+    graders = reward.Workers(workers=1, timeout_s=1.0)
+    assert grade_all(graders, ["42"], fn=boom) == [(None, True)]
+    assert grade_all(graders, ["42"], fn=flood) == [(None, True)]
+    assert grade_all(graders, ["<calc>6 * 7</calc>"], fn=reward.calculator_turn) == [
+        ("<result>42</result>", False)]
     graders.close()
-    graders = reward.Graders(sleepy, workers=2, timeout_s=0.5)
+    graders = reward.Workers(workers=2, timeout_s=0.5)
     t0 = time.time()
-    assert grade_all(graders, ["42"] * 4) == [(0.0, True)] * 4
+    assert grade_all(graders, ["42"] * 4, fn=sleepy) == [(None, True)] * 4
     assert time.time() - t0 < 10
     graders.close()
 
 
 def test_graders_take_many_answers_per_round_without_spinning():
     """1,000 answers at once, collected by a loop that stands in for the engine's (a 10 ms step,
-    then Graders.wait and poll): each worker gets its share in one message and sends every grade
+    then Workers.wait and poll): each worker gets its share in one message and sends every grade
     back as it is done, so a round collects many grades. The loop never spins on an empty poll."""
-    graders = reward.Graders(reward.grade_number, workers=2, timeout_s=5.0)
+    graders = reward.Workers(workers=2, timeout_s=5.0)
     for i in range(1000):
-        graders.submit(i, f"{i} + 1 = {i + 1}", str(i + 1))
+        graders.submit(i, reward.grade_number, f"{i} + 1 = {i + 1}", str(i + 1))
     got, rounds, empty = {}, 0, 0
     while len(got) < 1000:
         time.sleep(0.01)
@@ -115,10 +124,39 @@ def test_gsm8k_jsonl(tmp_path):
     rows = [{"question": f"q{i}", "answer": f"work...\n#### {i}"} for i in range(10)]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    train, test = reward.gsm8k(str(path), "", seed=0, n_eval=3)
+    train, test = reward.gsm8k(str(path), seed=0, n_eval=3, instruction="")
     assert len(train) == 7 and len(test) == 3
     assert {p["prompt"] for p in train}.isdisjoint({p["prompt"] for p in test})
     assert all(p["answer"] == p["prompt"][1:] for p in train + test)
     path.write_text(json.dumps(rows[0]) + "\n" + '{"question": "no answer"}\n')
     with pytest.raises(ValueError, match="train.jsonl:2"):
-        reward.gsm8k(str(path), "", seed=0, n_eval=1)
+        reward.gsm8k(str(path), seed=0, n_eval=1)
+
+
+def test_the_calculator_computes_arithmetic_and_nothing_else():
+    assert reward.calculate("9376 * 509") == 4772384
+    assert reward.calculate(" 1,000 + 2 = ") == 1002 and reward.calculate("(2 + 3) x 4") == 20
+    assert reward.calculate("7 / 2") == 3.5 and reward.calculate("-3 - -4") == 1
+    for bad in ("__import__('os').system('true')", "2 ** 99999", "a + 1", "[1] * 9", "1 +"):
+        with pytest.raises((ValueError, SyntaxError)):
+            reward.calculate(bad)
+    turn = reward.calculator_turn
+    assert turn("The answer is 42.", "42") is None  # no call: the answer is final
+    assert turn("so <calc>23 * 45</calc>", "1035") == "<result>1035</result>"
+    assert turn("<calc>1 / 0</calc>", "1") == "<result>error</result>"
+    assert turn("<calc>os</calc>", "1") == "<result>error</result>"
+    assert turn("<calc>10 / 4</calc>", "1") == "<result>2.5</result>"
+
+
+def test_the_calculator_task():
+    cfg = {"task": "calculator", "seed": 0, "eval_n": 50, "max_turns": 3}
+    task = reward.load_task(cfg)
+    assert len(task["eval"]) == 50 and task["turn"] and task["stop"] == "</calc>"
+    p = task["train"][0]
+    assert p["prompt"][1]["content"].startswith("<calc>") and p["prompt"][-1]["role"] == "user"
+    alone = reward.load_task(dict(cfg, max_turns=1))  # the baseline: no calculator offered
+    assert alone["turn"] is None and "<calc>" not in json.dumps(alone["train"])
+    assert [p["answer"] for p in alone["eval"]] == [p["answer"] for p in task["eval"]]
+    # the grade reads what the model says after the last result, not the result itself
+    assert task["grade"]("<calc>2 * 3</calc><result>6</result> The answer is 6.", "6") == 1.0
+    assert task["grade"]("<calc>2 * 3</calc><result>6</result>", "6") == 0.0

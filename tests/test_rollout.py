@@ -7,13 +7,16 @@ sampled it. The version each token is tagged with must say the same, across load
 engine-0 eval runs across those loads: it does not hold them up, and reports the versions it saw."""
 import ast
 import math
+import os
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import buffer
 import sync
+import tool_task
 from conftest import ROOT, free_port
 
 
@@ -24,10 +27,17 @@ def defaults():  # train.py's default config, without running train.py
             and isinstance(n.value, ast.Constant)}
 
 
-def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny):
+@pytest.mark.parametrize("tool", [False, True])
+def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_path, monkeypatch):
+    """tool: tests/tool_task.py's task, whose tool answers turns that end in "1": the same across
+    turns, which may each meet other weights; the tool's tokens carry no logprob and no loss."""
+    if tool:
+        hook = tool_task.install(tmp_path / "hook")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), f"{ROOT}/tests"]))
     cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=96,
                max_model_len=160, batch_groups=1000, group_size=4, rollout_groups=4,
-               max_staleness=0, eval_every=1, eval_n=100, timeout_s=60, max_steps=1000)
+               max_staleness=0, eval_every=1, eval_n=100, timeout_s=60, max_steps=1000,
+               max_turns=4)
     model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     buckets = sync.plan_buckets(meta, 64, torch.float32)
@@ -48,17 +58,23 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny):
         fleet.stop(60)
     finally:
         buffer.kill(fleet.procs)
-    uniform, mixed, tagged = -math.log(model.config.vocab_size), 0, set()
+    uniform, mixed, tagged, turns = -math.log(model.config.vocab_size), 0, set(), []
     for g in groups:
         for c in g["completions"]:
-            assert len(c["versions"]) == len(c["logprobs"]) == len(c["ids"])
-            assert c["versions"] == sorted(c["versions"])
+            assert len(c["versions"]) == len(c["logprobs"]) == len(c["ids"]) == len(c["mask"])
+            assert c["versions"] == sorted(c["versions"]) and len(c["ids"]) <= 96
+            m = c["mask"]  # the tool's words: a run of 0s before each turn after the first
+            assert c["turns"] <= 4 and sum(a > b for a, b in zip([1] + m, m)) == c["turns"] - 1
+            turns.append(c["turns"])
             mixed += len(set(c["versions"]) - {0}) > 1
-            for v, lp in zip(c["versions"], c["logprobs"]):
+            for v, lp, model_token in zip(c["versions"], c["logprobs"], c["mask"]):
                 tagged.add(v)
-                if v:  # version 0 is the model as saved: neither peaked nor uniform
+                if not model_token:  # the tool's: context only
+                    assert lp == 0.0
+                elif v:  # version 0 is the model as saved: neither peaked nor uniform
                     assert (abs(lp - uniform) < 1e-4) == (v % 2 == 0), (v, lp, c["versions"])
     assert mixed >= 3 and len(tagged) >= 6, (mixed, tagged)  # loads did land mid-answer
+    assert (max(turns) == 4) == tool, turns  # max_turns: a fourth turn is final whatever it says
     # evals ran across loads: no load waited for one
     evals = {e["version"]: e for e in fleet.evals}
     assert 0 in evals and 12 in evals and evals[12]["eval_versions"] == [12, 12]
