@@ -40,8 +40,7 @@ def scoring(net, ids, temperature, rows=1024, keep_mb=512):
 
 
 def checkpoint_layers(net):
-    """Whole-layer activation checkpointing. Attention appends to the prompt's shared KV cache, so
-    a recompute first cuts that cache layer back to the length it had."""
+    """Whole-layer activation checkpointing; a recompute first cuts the shared KV cache back."""
     for layer in net.model.layers:
         def forward(*args, _inner=layer.forward, _i=layer.self_attn.layer_idx, **kw):
             layers = getattr(kw.get("past_key_values"), "layers", [])

@@ -5,6 +5,7 @@ import json
 import os
 import resource
 import time
+from statistics import fmean as mean
 
 # per-token sums each rank adds up over its micro-batches, all-reduced once per step
 SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "whole", "shift_whole")
@@ -19,9 +20,6 @@ def token_sums(loss, bounded, logp, behav, mask, fresh):
     parts = (loss.detach(), fresh, bounded & stale, stale, shift * fresh, whole, shift * whole)
     return torch.stack([x.float().sum() for x in parts])
 
-
-def mean(xs):
-    return sum(xs) / len(xs)
 
 
 def ratio(a, b):

@@ -1,11 +1,11 @@
-"""train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`:
-N trainer ranks shard the policy with FSDP2; each node's first rank starts its vLLM engines
-(rollout.py), which generate all the time. Each optimizer step takes a batch (the one wait for
-generation, buffer.py), computes the loss (loss.py), steps, pushes the new weights into every vLLM
-worker (sync.py) and logs (metrics.py). Version k = the weights after k steps; batch k is trained
-at version k. Ctrl-C, SIGTERM or a stall stops every rank at the next step boundary.
-Simplifications: one optimizer step per batch; AdamW at a constant learning rate; no KL penalty,
-no reference model (beta = 0, as in DAPO); trainer rank 0 alone talks to the engines."""
+"""train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`
+(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; each node's first
+rank starts its vLLM engines (rollout.py), which generate all the time. Each optimizer step takes a
+batch (the one wait for generation, buffer.py), computes the loss (loss.py), steps, pushes the new
+weights into every vLLM worker (sync.py) and logs (metrics.py). Version k = the weights after k
+steps; batch k is trained at version k. Ctrl-C, SIGTERM or a stall stops every rank at the next
+step boundary. Simplifications: one optimizer step per batch; AdamW at a constant learning rate;
+no KL penalty, no reference model (beta = 0, as in DAPO); trainer rank 0 alone talks to engines."""
 import json
 import os
 import signal
@@ -68,8 +68,10 @@ ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, on 
 resume = False  # continue exactly from {out_dir}/ckpt.pt
 # -------------------------------------------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
-if "GROUP_RANK" not in os.environ:
-    configurator.die("start it with torchrun: torchrun --nproc_per_node=1 train.py config/X.py")
+for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "29500"}.items():
+    os.environ.setdefault(k, v)  # plain `python train.py`: one rank
 rank, world, local_rank, local_world, node, nodes = (int(os.environ[k]) for k in (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
 master = rank == 0

@@ -46,7 +46,7 @@ def test_get_waits_for_the_producer_and_counts_the_wait():
 
 def test_a_dead_producer_ends_the_wait():
     b = Buffer(max_staleness=0, drop_flat=False)
-    threading.Timer(0.2, b.fail, args=("lost the rollout process: boom",)).start()
+    threading.Timer(0.2, b.put, args=(RuntimeError("lost the rollout process: boom"),)).start()
     with pytest.raises(RuntimeError, match="boom"):
         b.get(0, 1)
 
