@@ -8,6 +8,8 @@ line.
                                    # the calculator task's overlap alone (multi-turn, ~15 min)
   python bench.py --trl            # TRL's GRPOTrainer vs ours on the demo, same machine
                                    # (pip install trl)
+  python bench.py --fill           # every engine full: slot occupancy with long answers, two
+                                   # engines' shares (one node, two nodes), a load's pause
   python bench.py --engine         # the engine loop's generation tokens/s against vLLM alone, and
                                    # where the loop's time goes (pip install py-spy); --runs=N
   python bench.py --plot OUT_DIR   # OUT_DIR/curves.png from its metrics.jsonl (pip matplotlib);
@@ -103,7 +105,7 @@ import rollout, reward
 if __name__ == "__main__":
     from vllm import SamplingParams
     cfg = json.load(open(sys.argv[1]))
-    llm = rollout.make_llm(cfg, "cpu", max_num_seqs=cfg["rollout_groups"] * cfg["group_size"])
+    llm = rollout.make_llm(cfg, "cpu", max_num_seqs=cfg["rollout_seqs"])
     tok = llm.get_tokenizer()
     train_set = reward.load_task(cfg)["train"]
     prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}}
@@ -145,7 +147,7 @@ if __name__ == "__main__":
     port, cfg = int(sys.argv[1]), dict(
         model={model_dir!r}, rollout_dtype="float32", colocate=False, timeout_s=60, seed=0,
         max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5, tensor_parallel_size=1,
-        kv_cache_gb=1, rollout_groups=1, group_size=4, eval_n=0, rollout_port=int(sys.argv[1]))
+        kv_cache_gb=1, rollout_seqs=4, group_size=4, eval_n=0, rollout_port=int(sys.argv[1]))
     llm = rollout.make_llm(cfg, "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
     llm.collective_rpc(sync.join, args=(dict(cfg, host="127.0.0.1", engines=1), 1))
@@ -270,7 +272,7 @@ def profile(name, G, seconds=20):
     config, base, _ = CONFIGS[name]
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
                             "train.py", config, *base, *ENGINE_RUN, f"--batch_groups={G}",
-                            f"--rollout_groups={G}", "--max_steps=1000", f"--out_dir={out}"],
+                            f"--rollout_seqs={G * 8}", "--max_steps=1000", f"--out_dir={out}"],
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (os.path.exists(f"{out}/metrics.jsonl") and open(f"{out}/metrics.jsonl").read()):
@@ -318,7 +320,7 @@ def engine_bench():
         r = {"in_flight": G * 8, "loop": [], "loop_in_step": [], "generate_in_process": [],
              "generate_loop_outputs": [], "generate_engine_process": []}
         for _ in range(runs):
-            overrides = [*ENGINE_RUN, f"--batch_groups={G}", f"--rollout_groups={G}",
+            overrides = [*ENGINE_RUN, f"--batch_groups={G}", f"--rollout_seqs={G * 8}",
                          f"--max_steps={S}"]
             rows = train(name, *overrides)
             a, b = rows[warmup - 1], rows[-1]
@@ -597,6 +599,83 @@ def gpu_check():
     return int(any(r["rc"] for r in rows))
 
 
+COPY_ALONE = """
+import json, sys, time, torch
+sys.path.insert(0, {root!r})
+import rollout, sync
+if __name__ == "__main__":
+    from transformers import AutoModelForCausalLM
+    cfg = json.load(open(sys.argv[1]))
+    llm = rollout.make_llm(cfg, "cpu")
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["rollout_dtype"]))
+    state = [(n, p.detach()) for n, p in model.named_parameters()]
+    def copy(worker):
+        t = time.perf_counter()
+        sync.copy_in(worker, iter(state))
+        return time.perf_counter() - t
+    times = sorted(llm.collective_rpc(copy)[0] for _ in range(5))
+    print(json.dumps({{"copy_s": times[2]}}))
+"""
+
+
+def two_nodes(name, overrides):  # two torchrun agents on this machine, one rank each -> step rows
+    config, base, _ = CONFIGS[name]
+    out, port = run_dir(name + "_two_nodes", overrides), 29400 + os.getpid() % 500
+    os.makedirs(out, exist_ok=True)
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                               "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                               f"--master_port={port}", f"--node_rank={n}", "train.py", config,
+                               *base, "--eval_every=0", f"--out_dir={out}", *overrides],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for n in (0, 1)]
+    assert [p.wait() for p in nodes] == [0, 0], f"a node failed: see {out}"
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r for r in rows if "loss" in r]
+
+
+def fill_bench():
+    """Every engine full, the three engine-side goals (--parts=occupancy,balance,pause):
+      occupancy  rollout_running_frac per step (per engine step: training sequences in vLLM /
+                 rollout_seqs) with long-tailed answers: SmolLM2, T = 1, 192 new tokens, a budget
+                 three times the slots, lr = 0, every group trained
+      balance    each engine's trained groups over 8 asynchronous steps (eta = 1) / a fair share:
+                 two engines on one node, then two nodes (two torchrun agents here), tiny model
+      pause      the seconds each load paused generation in the occupancy run (rollout_pause_s)
+                 / the same copy into vLLM alone (sync.copy_in from tensors in memory, a
+                 standalone engine of the run's config on the same core), median of 5"""
+    parts, out = args.get("parts", "occupancy,balance,pause").split(","), {}
+    if "occupancy" in parts or "pause" in parts:
+        subprocess.run([sys.executable, "prepare.py", "smollm2"], cwd=ROOT, check=True)
+        over = ["--temperature=1.0", "--max_new_tokens=192", "--max_model_len=320",
+                "--rollout_seqs=32", "--batch_groups=4", "--max_staleness=2", "--drop_flat=False",
+                f"--max_steps={args.get('steps', 6)}"]
+        rows = train("smollm", *over)
+        out["running_frac"] = [r["rollout_running_frac"] for r in rows]
+        out["running_frac_steady"] = mean(out["running_frac"][warmup:])
+        out["response_len_mean"] = [round(r["response_len_mean"]) for r in rows]
+        out["cut_frac"] = [r["cut_frac"] for r in rows]
+        pauses = [r["rollout_pause_s"] for r in rows if r["rollout_pause_s"]]
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR",
+                   VLLM_CPU_OMP_THREADS_BIND="1", OMP_NUM_THREADS="1")
+        cfg_path = os.path.join(run_dir("smollm", over), "train_config.json")
+        p = subprocess.run(["taskset", "-c", "1", sys.executable, "-c",
+                            COPY_ALONE.format(root=ROOT), cfg_path], env=env, cwd=ROOT,
+                           capture_output=True, text=True, check=True)
+        out["copy_s"] = json.loads(p.stdout.strip().splitlines()[-1])["copy_s"]
+        out["pause_s"], out["pause_over_copy"] = pauses, mean(pauses) / out["copy_s"]
+    if "balance" in parts:
+        subprocess.run([sys.executable, "prepare.py", "tiny"], cwd=ROOT, check=True)
+        over = ["--max_steps=8", "--max_staleness=1"]
+        for where, rows in (("one_node", train("tiny", "--rollout_engines=2", *over)),
+                            ("two_nodes", two_nodes("tiny", over))):
+            per = [sum(r["engine_groups"][e] for r in rows) for e in (0, 1)]
+            out[f"balance_{where}"] = {"per_step": [r["engine_groups"] for r in rows],
+                                       "share_of_fair": [x / (sum(per) / 2) for x in per]}
+    for k, v in out.items():
+        print(f"  {k:22s} {v}")
+    print(json.dumps(out))
+
+
 def plot(run_dir, baseline=None):
     """{run_dir}/curves.png: reward and eval accuracy by samples and time; the trainer's time.
     A task with a tool adds its calls per answer; baseline: a held-out accuracy to draw (the same
@@ -647,6 +726,8 @@ if __name__ == "__main__":
         sys.exit(engine_bench())
     if "--trl" in sys.argv:
         sys.exit(trl_baseline())
+    if "--fill" in sys.argv:
+        sys.exit(fill_bench())
     results, table = {}, []
     for name in args.get("configs", "tiny,smollm").split(","):
         # the config's model, made offline once (a no-op when it is there already)
@@ -667,7 +748,8 @@ if __name__ == "__main__":
             continue
         in_loop = last["rollout_tokens"] / (last["rollout_engine_s"] + last["rollout_load_s"])
         cfg = json.load(open(os.path.join(ROOT, "out/bench", name, "train_config.json")))
-        in_flight = min(cfg["rollout_groups"], (cfg["max_staleness"] + 1) * cfg["batch_groups"])
+        in_flight = min(cfg["rollout_seqs"] // cfg["group_size"],
+                        (cfg["max_staleness"] + 1) * cfg["batch_groups"])
         bucketed, raw, nbytes = weight_sync(
             json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
                                         "train_config.json")))["model"],

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 
+import budget
 import rollout
 import sync
 from configurator import die
@@ -25,7 +26,7 @@ class Stopped(Exception):
 
 
 class Buffer:
-    def __init__(self, max_staleness, drop_flat, on_discard=lambda n: None, stall_s=0):
+    def __init__(self, max_staleness, drop_flat, on_discard=lambda group: None, stall_s=0):
         self.max_staleness, self.drop_flat, self.on_discard = max_staleness, drop_flat, on_discard
         self.stall_s = stall_s  # > 0: waiting this long with nothing usable stops the run
         self.groups, self.cond = [], threading.Condition()
@@ -65,7 +66,8 @@ class Buffer:
                 seen.append(g)
             if version - g["version_min"] > self.max_staleness:
                 self.dropped_stale += 1
-                self.on_discard(1)
+                if not (self.drop_flat and is_flat(g)):  # a flat one's engine replaced it already
+                    self.on_discard(g)
                 self.drop(g, "stale")
             elif self.drop_flat and is_flat(g):
                 self.dropped_flat += 1
@@ -99,14 +101,19 @@ def split(groups, world_size):  # rank r gets groups r, r + W, r + 2W, ... (a mu
 
 def place(cfg, world, local_world, device, leader):
     """-> (this node's engines' GPUs, after its trainer ranks; cores a lone CPU rank may borrow)."""
+    import torch
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
     if device.type == "cpu":
         cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
         borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0  # borrow_cpus
+        ours = os.sched_getaffinity(0) - cores
         if cores and not borrow:
-            os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)
+            os.sched_setaffinity(0, ours)
+        # a thread per core of ours (torchrun sets OMP_NUM_THREADS for several ranks only, and
+        # OpenMP's default, every core, would put a spinning thread on vLLM's)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or
+                                  max(1, len(ours) // local_world)))
         return [[] for _ in range(E)] if leader else [], borrow
-    import torch
     torch.cuda.set_device(device)
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(
         map(str, range(torch.cuda.device_count())))
@@ -128,6 +135,8 @@ def spawn(cfg, engine_gpus, first, engines, host):
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine core in-process: rollout.tag()
     if spec := cfg["rollout_cpus"]:
         env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(rollout.cpus(spec))))
+    if cfg["rollout_dtype"] == "float32":  # a GPU's Triton attention: IEEE fp32, not TF32
+        env.setdefault("TRITON_F32_DEFAULT", "ieee")
     cfg = json.dumps(dict(cfg, engines=engines, host=host))
     return [subprocess.Popen([sys.executable, f"{rollout.ROOT}/rollout.py", cfg, str(first + e)],
                              env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
@@ -139,7 +148,8 @@ class Rollouts:
 
     def __init__(self, cfg, buckets, device, engine_gpus, ckpt, stop_requested, nodes=1):
         self.engines, timeout = cfg["rollout_engines"] * nodes, cfg["timeout_s"]
-        self.stop_requested, self.evals, self.stats = stop_requested, [], {}
+        self.per_node, self.beats, self.checked = cfg["rollout_engines"], {}, 0.0
+        self.stop_requested, self.evals, self.stats, self.last = stop_requested, [], {}, {}
         self.done, self.next = set(ckpt.get("done", [])), ckpt.get("next", 0)  # positions taken
         self.procs, host = [], os.environ.get("MASTER_ADDR", "127.0.0.1")
         try:  # port taken, or a rollout process died starting
@@ -147,15 +157,16 @@ class Rollouts:
             self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
                                                 "next": self.next, "done": sorted(self.done)}))
             self.procs = spawn(cfg, engine_gpus, 0, self.engines, host)
-            sync.wait_for(self.store, [f"joined{e}" for e in range(self.engines)], timeout,
-                          self.check_alive)
+            sync.wait_for(self.store, [f"joined{e}" for e in range(self.engines)],
+                          cfg["start_timeout_s"], self.check_alive)
         except (RuntimeError, TimeoutError) as e:
             kill(self.procs)
             die(str(e))
+        self.beats = {e: (None, time.monotonic()) for e in range(self.engines)}  # all beating
         self.ctl, trajs = sync.connect(self.store, 0, self.engines, timeout)
         self.sender = sync.Sender(self.store, buckets, cfg, device,
                                   self.engines * cfg["tensor_parallel_size"])
-        discard = lambda n: self.store.add("admitted", -n)  # a replacement may start (take_tickets)
+        discard = lambda g: budget.discard(self.store, g)  # its engine may start a replacement
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
         self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
@@ -163,10 +174,24 @@ class Rollouts:
         for r in self.receivers:
             r.start()
 
-    def gone(self):  # -> the first rollout process that exited, in words, or None
+    def gone(self):  # -> the first rollout process that died or went silent, in words, or None
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
-                return f"rollout process {e} (pid {p.pid}) exited with code {p.returncode}"
+                return died(e, 0, p.pid, p.returncode)
+        now = time.monotonic()
+        if not self.beats or now - self.checked < sync.BEAT_S:
+            return None  # another node's engines: by heartbeat, once all have joined
+        self.checked = now
+        if int(self.store.add("exits", 0)):  # another node saw one of its engines exit
+            for e in range(self.engines):
+                if self.store.check([f"exit{e}"]):
+                    return died(e, e // self.per_node, *json.loads(self.store.get(f"exit{e}")))
+        for e, beat in enumerate(self.store.multi_get([f"beat{e}" for e in self.beats])):
+            if beat != self.beats[e][0]:
+                self.beats[e] = (beat, now)
+            elif now - self.beats[e][1] > sync.DEAD_S:
+                return (f"rollout process {e} (node {e // self.per_node}) sent no heartbeat for "
+                        f"{sync.DEAD_S} s: its node is lost, or it hangs")
 
     def check_alive(self, stoppable=True):  # not stoppable in a push: every rank must finish it
         if stoppable and self.stop_requested():
@@ -199,9 +224,17 @@ class Rollouts:
         return {"next": self.next, "done": sorted(self.done),
                 "dropped": [self.buffer.dropped_stale, self.buffer.dropped_flat]}
 
-    def rollout_stats(self):  # summed over engines (rss: the largest)
-        stats = list(self.stats.values())
-        return {k: (max if k == "rollout_rss_mb" else sum)(s[k] for s in stats) for k in stats[0]}
+    def rollout_stats(self):
+        """The engines' counters, summed (rss: the largest); since the last call, the mean share of
+        each engine's slots that vLLM ran, over its steps, and the seconds each load paused it."""
+        now, was = {e: dict(s) for e, s in self.stats.items()}, self.last
+        stats, self.last = list(now.values()), now
+        out = {k: (max if k == "rollout_rss_mb" else sum)(s[k] for s in stats) for k in stats[0]}
+        new = lambda k: [s[k] - was.get(e, {}).get(k, 0) for e, s in now.items()]
+        frac = [r / n for r, n in zip(new("rollout_running"), new("rollout_steps")) if n]
+        loads = sum(new("rollout_loads"))
+        return {**out, "rollout_running_frac": sum(frac) / len(frac) if frac else None,
+                "rollout_pause_s": sum(new("rollout_load_s")) / loads if loads else None}
 
     def wait_for_eval(self, version, timeout_s):
         deadline = time.time() + timeout_s
@@ -215,6 +248,18 @@ class Rollouts:
             r.join(timeout_s)
         for p in self.procs:
             p.wait(timeout=timeout_s)
+
+
+def died(e, node, pid, code):
+    return f"rollout process {e} (node {node}, pid {pid}) exited with code {code}"
+
+
+def report_exits(store, procs, first, node):  # another node's engines: which died, and how
+    for e, p in enumerate(procs, first):
+        if p.poll() is not None and not hasattr(p, "reported"):
+            p.reported = store.set(f"exit{e}", json.dumps([p.pid, p.returncode]))  # rank 0's error
+            store.add("exits", 1)
+            print(f"error: {died(e, node, p.pid, p.returncode)}", file=sys.stderr, flush=True)
 
 
 def kill(procs):

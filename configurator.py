@@ -75,6 +75,9 @@ def check(cfg, world):  # what can be checked before a process starts; -> cfg, i
         die(f"max_staleness={cfg['max_staleness']} must be >= 0 (0 = synchronous)")
     if min(cfg["rollout_engines"], cfg["tensor_parallel_size"], cfg["grader_workers"]) < 1:
         die("rollout_engines, tensor_parallel_size and grader_workers must be >= 1")
+    if cfg["rollout_seqs"] < cfg["group_size"]:
+        die(f"rollout_seqs={cfg['rollout_seqs']} cannot hold a group of group_size="
+            f"{cfg['group_size']}: raise rollout_seqs")
     cfg = dict(cfg, model=resolve_model(cfg["model"]))
     conf = json.load(open(f"{cfg['model']}/config.json"))
     kind, archs = conf.get("model_type"), conf.get("architectures") or []

@@ -1,7 +1,8 @@
 """rollout.py: one process per vLLM engine, stepped by hand and never waiting for the trainer.
-Between two engine steps it loads announced weights (requests in flight go on; each token is tagged
-with the version that computed it), admits groups under the staleness bound, hands each finished
-turn to the task's worker processes (reward.py) and sends graded groups to trainer rank 0. A turn
+Between two engine steps it loads announced weights (a copy: they arrived while it generated;
+requests in flight go on, each token tagged with the version that computed it), starts groups as
+the budget and free slots allow (budget.py), hands each finished turn to the task's worker
+processes (reward.py) and sends graded groups to trainer rank 0. A turn
 the task's tool answers goes on as a new request over the dialogue so far, the tool's tokens
 included (context, never trained): one completion, up to max_turns. Engine 0 runs the evals too.
 Simplifications: the engine core runs in this process (on a GPU, vLLM's async scheduling keeps the
@@ -21,13 +22,15 @@ import traceback
 
 import reward
 import sync
+from budget import Budget
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat by the dozen
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
 COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "  # summed,
-            "rollout_load_s rollout_grade_s rollout_rss_mb").split()  # sent with every message
+            "rollout_load_s rollout_loads rollout_grade_s rollout_steps rollout_running "  # sent
+            "rollout_started rollout_rss_mb").split()  # with every message
 
 
 def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
@@ -47,9 +50,9 @@ def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
     from vllm import LLM
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
-    # room for all admission allows and engine 0's eval; CUDA graphs for the training sequences
-    train = cfg["rollout_groups"] * cfg["group_size"]
-    seqs, capture = train + (cfg["eval_n"] if e == 0 else 0), {"max_cudagraph_capture_size": train}
+    # room, and CUDA graphs, for the training sequences and engine 0's evals
+    seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)
+    capture = {"max_cudagraph_capture_size": seqs}
     graphs = {} if device == "cpu" else {"compilation_config": capture}
     # processed_logprobs: those of the distribution actually sampled. Prefix caching shares whole
     # blocks: at the CPU default of 128 tokens a group's samples would each recompute their prompt
@@ -59,17 +62,6 @@ def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
                tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
                enable_prefix_caching=True, block_size=32 if device == "cpu" else None,
                **graphs, **extra)
-
-
-def take_tickets(store, want, version, v0, cfg):
-    """The staleness bound, one budget for all engines: batch k trains at version k, so a group
-    started at version v is at most max_staleness old then iff at most (v - v0 + max_staleness + 1)
-    * batch_groups started since v0, less those discarded. -> how many of `want` may start."""
-    allowed = (version - v0 + cfg["max_staleness"] + 1) * cfg["batch_groups"]
-    over = min(want, max(0, store.add("admitted", want) - allowed))
-    if over:  # give those back (another engine may briefly see a few too many)
-        store.add("admitted", -over)
-    return want - over
 
 
 def completion():  # built turn by turn, as the trainer gets it
@@ -112,6 +104,7 @@ class Rollout:
         self.counters["skipped_long"] = len(train_set) - len(self.train_set) if e == 0 else 0
         self.workers = reward.Workers(cfg["grader_workers"], cfg["reward_timeout_s"])
         self.store = sync.open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
+        sync.heartbeat(cfg["host"], cfg["rollout_port"], f"beat{e}", f"rollout process {e}")
         self.store.set(f"idle{e}", "")  # borrow_cpus (mark_idle), before we say we joined
         self.store.set(f"joined{e}", "1")
         self.ctl, self.traj = sync.connect(self.store, 1 + e, cfg["engines"], cfg["timeout_s"])
@@ -119,16 +112,24 @@ class Rollout:
         start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]
-        # finished turns only, flat logprobs; undecoded (step() decodes) unless a tool call ends one
+        # finished turns only, flat logprobs, undecoded (step() decodes each turn once). A turn
+        # that calls the tool ends on any token whose text ends in `stop` if that is one token,
+        # else on the text (vLLM then detokenizes every token of such requests)
+        stop, ends = self.task["stop"], {}
+        if stop and len(self.tok.encode(stop, add_special_tokens=False)) == 1:
+            ends = dict(stop_token_ids=[t for t in range(len(self.tok))
+                                        if self.tok.decode([t]).endswith(stop)])
+        elif stop:
+            ends = dict(stop=stop, detokenize=True, include_stop_str_in_output=True)
         quiet = dict(n=1, logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
-                     detokenize=bool(self.task["stop"]), stop=self.task["stop"],
-                     include_stop_str_in_output=True)
+                     **{"detokenize": False, **ends})
         self.params = lambda greedy, room: SamplingParams(
             temperature=0.0 if greedy else cfg["temperature"], max_tokens=room, **quiet)
         self.groups, self.perm, self.inbox = {}, {}, queue.Queue()
         self.starts = {}  # request id -> [(version, index of the first token it computed)]
         self.evals = {}  # engine 0's evals in progress, by version: groups of their own
         self.pending, self.retry_at, self.n_groups = None, 0.0, 0
+        self.budget, self.live, self.running = Budget(self.store, cfg, e, self.v0), 0, 0
         self.idle = ""  # borrow_cpus: our mark in the store (mark_idle)
         threading.Thread(target=self.receive, daemon=True).start()
 
@@ -160,22 +161,27 @@ class Rollout:
         self.engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"},
                                 params)
         self.starts[rid] = [(self.version, 0)]
+        self.running += not rid.startswith("eval")  # training sequences in vLLM
 
     def post(self, msg):
         self.counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.counters["rollout_started"] = self.budget.started  # groups, before any given back
         sync.send_obj(self.traj, {**msg, "engine": self.e, **self.counters}, 0)
 
     def load(self):
-        """Every vLLM worker receives the new weights itself (sync.load). A request's tokens from
-        here on are the new version's, but for `lag` of a step launched before: tagged old."""
+        """Every vLLM worker copies the weights it received while we generated (sync.load). A
+        request's tokens from here on are the new version's, but for `lag` of a step launched
+        before: tagged old."""
         t0 = time.perf_counter()
-        self.llm.collective_rpc(sync.load)
+        self.version = self.llm.collective_rpc(sync.load)[0]  # the oldest push received
         self.llm.reset_prefix_cache()  # a no-op while requests hold blocks: the salt covers that
-        self.version, self.pending, self.retry_at = self.pending, None, 0.0
+        self.pending = None if self.version == self.pending else self.pending
+        self.retry_at = 0.0
         for r in self.engine.output_processor.request_states.values():  # requests in flight
             self.starts[r.external_req_id].append(
                 (self.version, r.detokenizer.num_output_tokens() + self.lag))
-        self.counters["rollout_load_s"] += time.perf_counter() - t0
+        self.counters["rollout_load_s"] += time.perf_counter() - t0  # generation paused
+        self.counters["rollout_loads"] += 1
         every, v = self.cfg["eval_every"], self.version
         if self.e == 0 and every and (v % every == 0 or v == self.cfg["max_steps"]):
             self.start_eval()
@@ -191,12 +197,13 @@ class Rollout:
             self.add(f"{gid}/{j}/0", p["ids"], params)
 
     def admit(self):
-        """New groups while the staleness budget allows: a round trip for tickets, one for the
-        positions. Stream position k (shared by all engines) is problem perm[k mod N], seeded."""
-        want, N = self.cfg["rollout_groups"] - len(self.groups), len(self.train_set)
+        """New groups while the budget and the free slots allow (budget.py), positions in one
+        round trip. Stream position k (shared by all engines) is problem perm[k mod N], seeded."""
+        want, N = self.budget.groups_room(self.live), len(self.train_set)
         if want <= 0 or time.monotonic() < self.retry_at:
             return
-        got = take_tickets(self.store, want, self.version, self.v0, self.cfg)
+        got = min(want, self.budget.tickets(self.version))
+        self.budget.started += got
         if got < want:
             self.retry_at = time.monotonic() + 0.01  # the budget grows with a load or a discard
         positions = []
@@ -212,22 +219,32 @@ class Rollout:
             problem, self.n_groups = self.train_set[self.perm[epoch][i]], self.n_groups + 1
             self.open(self.groups, f"g{self.n_groups}", [problem] * self.cfg["group_size"], False,
                       pos=k)
+            self.live += self.cfg["group_size"]  # sequences generating, or in a tool call
 
     def step(self):
         """One engine step; each turn it finished goes to the task's turn or grade (workers)."""
+        self.counters["rollout_steps"] += 1
+        self.counters["rollout_running"] += self.running / self.cfg["rollout_seqs"]
         for out in self.engine.step():  # finished requests only
             o, rid, (gid, i, _) = out.outputs[0], out.request_id, out.request_id.split("/")
             c, n = self.group(gid)["comps"][int(i)], len(o.token_ids)
             extend(c, o.token_ids, o.logprobs.logprobs, tag(self.starts.pop(rid), n), 1)
             c["text"] += o.text or self.tok.decode(o.token_ids, skip_special_tokens=True)
             c["turns"], c["cut"] = c["turns"] + 1, o.finish_reason == "length"
-            final = c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]
-            self.submit(gid, int(i), "grade" if final else "turn")
+            self.running -= not gid.startswith("eval")
+            if c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]:
+                self.grade(gid, int(i))
+            else:
+                self.submit(gid, int(i), "turn")
 
     def submit(self, gid, i, fn):
         g = self.group(gid)
         self.workers.submit((gid, i, fn), self.task[fn], g["comps"][i]["text"],
                             g["problems"][i]["answer"])
+
+    def grade(self, gid, i):  # the answer is final: its slot is free
+        self.live -= gid in self.groups
+        self.submit(gid, i, "grade")
 
     def group(self, gid):
         return self.groups.get(gid) or self.evals[gid]
@@ -239,7 +256,7 @@ class Rollout:
             if fn == "turn":  # the tool's words; None: the answer is final; a failure ends it
                 self.counters["tool_failures"] += failed
                 if not (isinstance(result, str) and self.go_on(gid, i, result)):
-                    self.submit(gid, i, "grade")
+                    self.grade(gid, i)
                 continue
             ok = isinstance(result, float)  # else it failed, or returned no number
             self.counters["reward_failed"] += not ok
@@ -275,7 +292,7 @@ class Rollout:
                "prompt_ids": problem["ids"], "completions": g["comps"],
                "version_min": min(versions), "version_max": max(versions)}
         if self.cfg["drop_flat"] and reward.is_flat(msg):  # the trainer skips it: replace it now
-            self.store.add("admitted", -1)
+            self.budget.returned += 1
         self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in g["comps"])  # generated
         self.mark_idle()  # before the trainer can see this group and look
         self.post(msg)

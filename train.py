@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import budget
 import buffer as buf
 import configurator
 import loss as L
@@ -49,7 +51,7 @@ eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines on each node, each on tensor_parallel_size GPUs after its ranks'
 tensor_parallel_size = 1
 colocate = False  # one GPU for the trainer and vLLM; weights pass through shared memory
-rollout_groups = 32  # most prompt groups in flight in one engine
+rollout_seqs = 256  # most sequences generating at once in one engine (budget.py)
 rollout_dtype = "float32"  # vLLM weights and compute
 trainer_dtype = "float32"  # FSDP2 compute; master weights and gradient reduction stay float32
 rollout_cpus = ""  # CPU: vLLM's cores, e.g. "1" or "2-3"; the trainer ranks keep the rest
@@ -61,6 +63,7 @@ enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
 bucket_mb = 64  # weight push bucket size
 rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine (MASTER_ADDR)
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
+start_timeout_s = 900  # engine start: a cold GPU start compiles kernels, captures CUDA graphs
 stall_s = 600  # waiting this long for a batch with nothing usable (none, flat, stale) stops the run
 reward_timeout_s = 5.0  # a grade running longer is killed and scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
@@ -77,6 +80,8 @@ rank, world, local_rank, local_world, node, nodes = (int(os.environ[k]) for k in
 master = rank == 0
 config = configurator.check(config, world)
 model = config["model"]  # a hub id is now a folder in the hub cache
+if master and (warning := budget.check(config, rollout_engines * nodes)):
+    print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 # ---- placement: on every node, trainer ranks on the first GPUs, that node's engines after ----
 cuda = torch.cuda.is_available()
@@ -87,7 +92,7 @@ device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
 engine_gpus, borrow = buf.place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
-threads = torch.get_num_threads()  # OMP_NUM_THREADS (torchrun's default: 1)
+threads = torch.get_num_threads()  # CPU: our cores' (place)
 # ranks 1.. wait for each batch as long as rank 0 does (stall_s bounds it), not timeout_s
 batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 
@@ -141,13 +146,23 @@ if master:
 elif engine_gpus:  # another node's engines: numbered on from node 0's, they talk to rank 0 only
     engines = buf.spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
                         os.environ["MASTER_ADDR"])
+if not master:  # rank 0 gone: exit at once, not when a collective times out; our engines' deaths
+    sync.heartbeat(os.environ["MASTER_ADDR"], rollout_port, f"rank{rank}", f"trainer rank {rank}",
+                   lambda store: buf.report_exits(store, engines, node * rollout_engines, node),
+                   start_timeout_s)
 
 
-def push_weights(version):  # every rank gathers; rank 0 sends
-    if master:
+def push_weights(version):  # every rank gathers; rank 0 sends, then tells the engines to load it
+    if not master:
+        return sync.push(None, full_weights(), buckets)
+    inline = cuda and tensor_parallel_size > 1  # the engines receive it paused (sync.stage)
+    if inline:
         sync.announce(fleet.ctl, version)
-        return sync.push(fleet.sender, full_weights(), buckets, lambda: fleet.check_alive(False))
-    return sync.push(None, full_weights(), buckets)
+    sent = sync.push(fleet.sender, full_weights(), buckets, version,
+                     lambda: fleet.check_alive(False))
+    if not inline:
+        sync.announce(fleet.ctl, version)  # they received it while generating: now a copy
+    return sent
 
 
 def micro_batch(groups, step, n_tok):
@@ -232,13 +247,21 @@ except buf.Stopped as e:
     if master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
         print(f"stopped at step {step}: {e}{saved}", file=sys.stderr, flush=True)
-    dist.destroy_process_group()  # at exit, torch's own teardown of the groups aborts the process
-    sys.exit(128 + stop_signal[0] if stop_signal else 1)
-except Exception:
-    if master:  # a broken connection: did a rollout process die? then the error names it
-        time.sleep(1)  # a dying process may not have exited yet
-        fleet.check_alive(False)
-    raise
+    buf.kill(fleet.procs if master else engines)
+    sys.stdout.flush()
+    # not sys.exit: tearing down the groups whose threads still wait on the engines aborts
+    os._exit(128 + stop_signal[0] if stop_signal else 1)
+except Exception as error:
+    try:
+        if master:  # a broken connection: did a rollout process die? then the error names it
+            time.sleep(1)  # a dying process may not have exited yet
+            fleet.check_alive(False)
+        raise error
+    except Exception:
+        traceback.print_exc()
+        buf.kill(fleet.procs if master else engines)
+        sys.stderr.flush()
+        os._exit(1)  # at once: no teardown waits on a dead peer's collectives (NCCL would)
 finally:
     buf.kill(fleet.procs if master else engines)
 dist.destroy_process_group()

@@ -1,7 +1,7 @@
 # The GPU recipe on one 80 GB GPU: the trainer and one vLLM engine share it (colocate); the weights
-# pass through CUDA IPC buffers instead of a broadcast. vLLM takes gpu_memory_utilization of the GPU
-# (weights + KV cache), the trainer the rest (fp32 weights, gradients and AdamW of 1.5B parameters:
-# ~25 GB, plus activations).
+# pass through a staging copy shared by CUDA IPC (3 GB in bf16) instead of a broadcast. vLLM takes
+# gpu_memory_utilization of the GPU (weights + KV cache), the trainer the rest (fp32 weights,
+# gradients and AdamW of 1.5B parameters: ~25 GB, the staging copy, activations).
 #   torchrun --nproc_per_node=1 train.py config/qwen_1gpu.py
 model = "Qwen/Qwen2.5-1.5B-Instruct"
 task = "gsm8k"
@@ -17,13 +17,14 @@ max_staleness = 1
 eval_every = 20
 eval_n = 500
 colocate = True
-rollout_groups = 32
+rollout_seqs = 512  # the budget: (1 + 1) x 16 groups x 16
 grader_workers = 4  # per engine: ~1,400 math-verify grades/s, ~14x its answers (results log)
 rollout_dtype = "bfloat16"
 trainer_dtype = "bfloat16"
 activation_checkpointing = True
 max_model_len = 1024
-gpu_memory_utilization = 0.3
+# KV cache for the training sequences and an eval: (512 + 500) x ~710 tokens x 28 KB = 20 GB
+gpu_memory_utilization = 0.4
 enforce_eager = False
 bucket_mb = 256
 timeout_s = 600

@@ -15,7 +15,7 @@ max_staleness = 1
 drop_flat = True
 eval_every = 5
 eval_n = 200  # a binomial standard error of ~0.035 at these accuracies
-rollout_groups = 16
+rollout_seqs = 128
 # fp32 runs everywhere; "bfloat16" for both is faster only on CPUs with avx512_bf16 or AMX (without
 # them bf16 matmuls are emulated, ~60x slower): grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo
 rollout_dtype = "float32"

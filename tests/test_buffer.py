@@ -18,7 +18,19 @@ def test_stale_groups_are_dropped_counted_and_reported():
     batch, seen, _ = b.get(version=5, n_groups=2)
     # 3 is 2 versions old at version 5: dropped
     assert [g["version_min"] for g in batch] == [4, 5] and len(seen) == 3
-    assert b.dropped_stale == 1 and discards == [1]
+    assert b.dropped_stale == 1 and [g["version_min"] for g in discards] == [3]
+
+
+def test_a_flat_stale_group_gives_its_ticket_back_once():
+    """Its engine gave a flat group's ticket back when it sent it; stale too, the buffer must
+    not give it back again (one more group would start past the staleness bound)."""
+    for drop_flat, want in ((True, 0), (False, 1)):
+        discards = []
+        b = Buffer(max_staleness=0, drop_flat=drop_flat, on_discard=discards.append)
+        b.put(group(0, (1.0, 1.0)))
+        b.put(group(1))
+        b.get(version=1, n_groups=1)
+        assert b.dropped_stale == 1 and len(discards) == want, drop_flat
 
 
 def test_flat_groups_are_dropped_only_when_asked():

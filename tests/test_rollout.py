@@ -1,5 +1,5 @@
 """One real rollout process driven by this test as trainer rank 0 would drive it (buffer.Rollouts,
-sync.announce, sync.push): new weights every 0.1 s while long answers are generated.
+sync.push, sync.announce): new weights every 0.1 s while long answers are generated.
 
 Odd versions make the policy sharply peaked, even versions exactly uniform (the final norm's weight
 zeroed: every logit is 0, whatever the KV cache holds), so each token's logprob says which weights
@@ -35,7 +35,7 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
         hook = tool_task.install(tmp_path / "hook")
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), f"{ROOT}/tests"]))
     cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=96,
-               max_model_len=160, batch_groups=1000, group_size=4, rollout_groups=4,
+               max_model_len=160, batch_groups=1000, group_size=4, rollout_seqs=16,
                max_staleness=0, eval_every=1, eval_n=100, timeout_s=60, max_steps=1000,
                max_turns=4)
     model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
@@ -46,9 +46,9 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
         for v in range(1, 13):
             time.sleep(0.1)
             scale = 0.0 if v % 2 == 0 else 40.0
-            sync.announce(fleet.ctl, v)
             sync.push(fleet.sender, ((n, p * scale if n == "model.norm.weight" else p)
-                                     for n, p in model.named_parameters()), buckets)
+                                     for n, p in model.named_parameters()), buckets, v)
+            sync.announce(fleet.ctl, v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 8 and time.time() < deadline:
             fleet.check_alive()
@@ -89,7 +89,7 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
     (fp32): the tags and the behaviour logprobs are exact; the final weights alone do not."""
     from transformers import DynamicCache
     cfg = dict(defaults(), model=tiny["untied"], rollout_port=free_port(), max_new_tokens=64,
-               max_model_len=128, batch_groups=1000, group_size=2, rollout_groups=4,
+               max_model_len=128, batch_groups=1000, group_size=2, rollout_seqs=8,
                max_staleness=0, eval_every=0, timeout_s=60, max_steps=1000)
     model = AutoModelForCausalLM.from_pretrained(tiny["untied"], dtype=torch.float32).eval()
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -104,8 +104,8 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.02)
             states.append({k: t.clone() for k, t in model.state_dict().items()})
+            sync.push(fleet.sender, model.named_parameters(), buckets, v)
             sync.announce(fleet.ctl, v)
-            sync.push(fleet.sender, model.named_parameters(), buckets)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 6 and time.time() < deadline:
             fleet.check_alive()
@@ -139,3 +139,40 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
     print(f"\n{len(lived)} answers across loads: replayed by tag, max |dlogp| "
           f"{max(replay_err):.1e}; their last version's tokens by those weights alone, {final:.1e}")
     assert max(replay_err) < 1e-4 and final > 1e-3
+
+
+def test_each_engine_starts_its_share_of_the_budget_and_no_more(tiny):
+    """Two real engines, eta = 0, drop_flat: nearly every group of the random model is flat, so
+    each engine gives its ticket back as it sends it, and starts a replacement. Whenever a group
+    arrives, its engine has started at most its half of (v + 1) * batch_groups, v the newest
+    version announced, plus the flat groups it has sent; both engines generate at every version."""
+    import budget
+    cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=8,
+               max_model_len=128, batch_groups=4, group_size=4, rollout_seqs=16, max_staleness=0,
+               drop_flat=True, eval_every=0, timeout_s=60, max_steps=1000, rollout_engines=2)
+    model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
+    meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    buckets = sync.plan_buckets(meta, 64, torch.float32)
+    fleet = buffer.Rollouts(cfg, buckets, torch.device("cpu"), [[], []], {}, lambda: [])
+    arrived = [0]  # groups in the buffer when each version was announced
+    try:
+        for v in range(1, 7):
+            deadline = time.time() + 60
+            while len(fleet.buffer.groups) < arrived[-1] + 8 and time.time() < deadline:
+                fleet.check_alive()
+                time.sleep(0.05)
+            sync.push(fleet.sender, model.named_parameters(), buckets, v)
+            arrived.append(len(fleet.buffer.groups))
+            sync.announce(fleet.ctl, v)
+        groups = list(fleet.buffer.groups)
+        fleet.stop(60)
+    finally:
+        buffer.kill(fleet.procs)
+    flat, seen = [0, 0], set()
+    for i, g in enumerate(groups):
+        e, v = g["engine"], max(k for k, n in enumerate(arrived) if n <= i)
+        flat[e] += buffer.is_flat(g)
+        allowed = budget.share((v + 1) * 4, 2, e)
+        assert g["rollout_started"] <= allowed + flat[e], (i, e, v, g["rollout_started"], flat)
+        seen.add((e, g["version_min"]))
+    assert sum(flat) > 10 and seen >= {(e, v) for e in (0, 1) for v in range(5)}, (flat, seen)

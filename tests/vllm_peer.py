@@ -13,7 +13,7 @@ if __name__ == "__main__":
     from vllm import SamplingParams
     path, port, cfg = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     llm = rollout.make_llm(dict(cfg, model=path, seed=0, max_model_len=128, enforce_eager=True,
-                                rollout_groups=1, group_size=4, eval_n=0,
+                                rollout_seqs=4, group_size=4, eval_n=0,
                                 gpu_memory_utilization=0.5, tensor_parallel_size=1, kv_cache_gb=1),
                            "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
