@@ -26,7 +26,7 @@ Ratios, each measured side by side in one invocation (absolute times are noise o
                       overlap_bound = (T_gen + T_train) / max(T_gen, T_train) from the synchronous
                       run's own timings (there, waiting = generating)
   sync_ratio          trainer-blocked time to push the model into a real vLLM engine (sync.push:
-                      bucketed, each bucket received and reloaded inside the worker, as in
+                      a broadcast per tensor into the worker's staging copy, then its load, as in
                       training) / one raw broadcast of the same bytes to the same worker on the
                       same group
   rollout_pause_share time the engine spends loading weights / time it spends generating
@@ -133,10 +133,10 @@ if __name__ == "__main__":
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
-def weight_sync(model_dir, bucket_mb, repeats=5):
-    """Trainer-side seconds to push a model's weights into a real vLLM engine (sync.push; its worker
-    receives and reloads bucket by bucket, sync.load) vs one raw broadcast of the same bytes to the
-    same worker."""
+def weight_sync(model_dir, repeats=5):
+    """Trainer-side seconds to push a model's weights into a real vLLM engine (sync.push: a
+    broadcast per tensor into the worker's staging copy, then sync.load) vs one raw broadcast of
+    the same bytes to the same worker."""
     code = f"""
 import os, sys, torch
 sys.path.insert(0, {ROOT!r})
@@ -167,25 +167,25 @@ if __name__ == "__main__":
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     peer = subprocess.Popen([sys.executable, "-c", code, str(port)], env=env)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    sender = sync.Sender(store, sync.plan_buckets(meta, bucket_mb, torch.float32),
+    sender = sync.Sender(store, sync.plan(meta),
                          {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60,
                           "rollout_port": port},
                          torch.device("cpu"), 1)
-    flat = torch.zeros(sender.bytes // 4)
+    flat = torch.zeros(sum(n for *_, n in sender.plan))
     store.set("numel", str(flat.numel()))
     pushed, raw = [], []
     with torch.no_grad():
         for i in range(repeats):
             t = time.perf_counter()
             store.set(f"push{i}", "1")
-            sync.push(sender, model.named_parameters(), sender.buckets)
+            sync.push(sender, model.named_parameters(), sender.plan)
             pushed.append(time.perf_counter() - t)
             t = time.perf_counter()
             store.set(f"raw{i}", "1")
             sender.pg.broadcast(flat, 0).wait()
             raw.append(time.perf_counter() - t)
     peer.wait(timeout=60)
-    return sorted(pushed)[repeats // 2], sorted(raw)[repeats // 2], sender.bytes
+    return sorted(pushed)[repeats // 2], sorted(raw)[repeats // 2], flat.numel() * 4
 
 
 def unshared_logprobs(model, group, device):
@@ -540,7 +540,7 @@ def gpu_check():
     generation), colocated on GPU 0, then with the engine on GPU 1 (the NCCL weight broadcast)
     where there are >= 2 GPUs. Per run: whether it ran, logprob_mismatch (largest over steps: on
     completions the trained weights computed entirely), generation tokens/s in the loop, seconds
-    per push, peak memory per GPU (nvidia-smi, sampled every 0.5 s). No GPU: the tiny model on CPU,
+    per push, peak memory per GPU (nvidia-smi, every 0.5 s). No GPU: the tiny model on CPU,
     colocated through /dev/shm and separate over gloo, to check this command itself."""
     import threading
     try:
@@ -582,8 +582,7 @@ def gpu_check():
                                gen_tokens_per_s=round(last["rollout_tokens"]
                                                       / last["rollout_engine_s"]),
                                push_s=round(mean([r["t_sync_s"] for r in steps[1:] or steps]), 3),
-                               peak_mb=[round(x) for x in peak
-                                        or (last["trainer_rss_mb"], last["rollout_rss_mb"])])
+                               peak_mb=[round(x) for x in peak])
                 open(os.path.join(out, "stderr.txt"), "w").write(p.stderr)
                 if p.returncode:  # the first line that says what went wrong, and where it all is
                     said = [x for x in p.stderr.splitlines() if "rror" in x] or ["?"]
@@ -591,7 +590,7 @@ def gpu_check():
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print("\nmodel   dtype     mode      rc  steps  mismatch  reloaded  gen tok/s  push s  peak MB"
-          " (per GPU; no GPU: trainer, rollout RSS)")
+          " (per GPU)")
     for r in rows:
         print(f"{r['model']:7s} {r['dtype']:9s} {r['mode']:9s} {r['rc']:3d} {r['steps']:5d}  "
               f"{r.get('logprob_mismatch') or 0:8.1e}  {r.get('shift_reloaded') or 0:8.1e}  "
@@ -607,7 +606,8 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM
     cfg = json.load(open(sys.argv[1]))
     llm = rollout.make_llm(cfg, "cpu")
-    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["rollout_dtype"]))
+    dtype = getattr(torch, cfg["rollout_dtype"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=dtype)
     state = [(n, p.detach()) for n, p in model.named_parameters()]
     def copy(worker):
         t = time.perf_counter()
@@ -636,8 +636,8 @@ def two_nodes(name, overrides):  # two torchrun agents on this machine, one rank
 def fill_bench():
     """Every engine full, the three engine-side goals (--parts=occupancy,balance,pause):
       occupancy  rollout_running_frac per step (per engine step: training sequences in vLLM /
-                 rollout_seqs) with long-tailed answers: SmolLM2, T = 1, 192 new tokens, a budget
-                 three times the slots, lr = 0, every group trained
+                 rollout_seqs) with long-tailed answers: SmolLM2, T = 1, 192 new tokens, 64 slots,
+                 a budget (eta = 8) that never runs out in 6 steps, lr = 0, every group trained
       balance    each engine's trained groups over 8 asynchronous steps (eta = 1) / a fair share:
                  two engines on one node, then two nodes (two torchrun agents here), tiny model
       pause      the seconds each load paused generation in the occupancy run (rollout_pause_s)
@@ -647,11 +647,11 @@ def fill_bench():
     if "occupancy" in parts or "pause" in parts:
         subprocess.run([sys.executable, "prepare.py", "smollm2"], cwd=ROOT, check=True)
         over = ["--temperature=1.0", "--max_new_tokens=192", "--max_model_len=320",
-                "--rollout_seqs=32", "--batch_groups=4", "--max_staleness=2", "--drop_flat=False",
+                "--rollout_seqs=64", "--batch_groups=4", "--max_staleness=8", "--drop_flat=False",
                 f"--max_steps={args.get('steps', 6)}"]
         rows = train("smollm", *over)
         out["running_frac"] = [r["rollout_running_frac"] for r in rows]
-        out["running_frac_steady"] = mean(out["running_frac"][warmup:])
+        out["running_frac_steady"] = mean([x for x in out["running_frac"][warmup:] if x])
         out["response_len_mean"] = [round(r["response_len_mean"]) for r in rows]
         out["cut_frac"] = [r["cut_frac"] for r in rows]
         pauses = [r["rollout_pause_s"] for r in rows if r["rollout_pause_s"]]
@@ -752,8 +752,7 @@ if __name__ == "__main__":
                         (cfg["max_staleness"] + 1) * cfg["batch_groups"])
         bucketed, raw, nbytes = weight_sync(
             json.load(open(os.path.join(ROOT, "out/bench", name + "_max_staleness0",
-                                        "train_config.json")))["model"],
-            float(args.get("bucket_mb", 64)))
+                                        "train_config.json")))["model"])
         r = {**results[name], "sync_ratio": bucketed / raw, "sync_s": bucketed, "sync_raw_s": raw,
              "weight_mb": nbytes / 2**20,
              "rollout_pause_share": last["rollout_load_s"] / last["rollout_engine_s"],
@@ -762,8 +761,7 @@ if __name__ == "__main__":
              "trainer_idle_share": (sum(r["t_wait_s"] for r in steady)
                                     / sum(r["t_wait_s"] + r["t_train_s"] + r["t_sync_s"]
                                           for r in steady)),
-             "trainer_tokens_per_s": mean([r["train_tokens_per_s"] for r in steady]),
-             "trainer_rss_mb": last["trainer_rss_mb"], "rollout_rss_mb": last["rollout_rss_mb"]}
+             "trainer_tokens_per_s": mean([r["train_tokens_per_s"] for r in steady])}
         results[name] = r
     for name, r in results.items():
         print(f"\n{name}")

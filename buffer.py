@@ -11,7 +11,6 @@ import threading
 import time
 from collections import Counter
 
-import budget
 import rollout
 import sync
 from configurator import die
@@ -48,8 +47,7 @@ class Buffer:
                 while not self.groups:
                     self.cond.wait(timeout=1.0)
                     t = time.perf_counter() - t0
-                    if not self.groups:
-                        check_alive()
+                    check_alive()
                     if waited + t - told > min(60, self.stall_s / 3 or 60):
                         report(f"waiting {waited + t:.0f} s for batch {version} ({len(batch)}/"
                                f"{n_groups} groups), {describe(self.since)}", self.news)
@@ -146,9 +144,9 @@ def spawn(cfg, engine_gpus, first, engines, host):
 class Rollouts:
     """Trainer rank 0's end of the rollout processes of every node; other ranks only join push."""
 
-    def __init__(self, cfg, buckets, device, engine_gpus, ckpt, stop_requested, nodes=1):
+    def __init__(self, cfg, plan, device, engine_gpus, ckpt, stop_requested, nodes=1):
         self.engines, timeout = cfg["rollout_engines"] * nodes, cfg["timeout_s"]
-        self.per_node, self.beats, self.checked = cfg["rollout_engines"], {}, 0.0
+        self.per_node, self.beats = cfg["rollout_engines"], {}
         self.stop_requested, self.evals, self.stats, self.last = stop_requested, [], {}, {}
         self.done, self.next = set(ckpt.get("done", [])), ckpt.get("next", 0)  # positions taken
         self.procs, host = [], os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -157,16 +155,19 @@ class Rollouts:
             self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
                                                 "next": self.next, "done": sorted(self.done)}))
             self.procs = spawn(cfg, engine_gpus, 0, self.engines, host)
-            sync.wait_for(self.store, [f"joined{e}" for e in range(self.engines)],
-                          cfg["start_timeout_s"], self.check_alive)
+            if not self.wait(lambda: self.store.check([f"joined{e}" for e in range(self.engines)]),
+                             cfg["start_timeout_s"]):
+                raise TimeoutError(f"the engines did not start in start_timeout_s="
+                                   f"{cfg['start_timeout_s']} s")
         except (RuntimeError, TimeoutError) as e:
             kill(self.procs)
             die(str(e))
         self.beats = {e: (None, time.monotonic()) for e in range(self.engines)}  # all beating
         self.ctl, trajs = sync.connect(self.store, 0, self.engines, timeout)
-        self.sender = sync.Sender(self.store, buckets, cfg, device,
+        self.sender = sync.Sender(self.store, plan, cfg, device,
                                   self.engines * cfg["tensor_parallel_size"])
-        discard = lambda g: budget.discard(self.store, g)  # its engine may start a replacement
+        # a stale group's ticket back to its engine (budget.py): it may start a replacement
+        discard = lambda g: self.store.add(f"discarded{g['engine']}", 1)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
         self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
@@ -174,30 +175,23 @@ class Rollouts:
         for r in self.receivers:
             r.start()
 
-    def gone(self):  # -> the first rollout process that died or went silent, in words, or None
+    def check_alive(self, stoppable=True):
+        """Raises if a signal came (but in a push: every rank must finish it), or if a rollout
+        process of any node died or went silent (heartbeats, once all have joined)."""
+        if stoppable and self.stop_requested():
+            raise Stopped(signal.Signals(self.stop_requested()[0]).name)
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
-                return died(e, 0, p.pid, p.returncode)
+                raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
+                                   f"{p.returncode}; its error is printed above")
         now = time.monotonic()
-        if not self.beats or now - self.checked < sync.BEAT_S:
-            return None  # another node's engines: by heartbeat, once all have joined
-        self.checked = now
-        if int(self.store.add("exits", 0)):  # another node saw one of its engines exit
-            for e in range(self.engines):
-                if self.store.check([f"exit{e}"]):
-                    return died(e, e // self.per_node, *json.loads(self.store.get(f"exit{e}")))
         for e, beat in enumerate(self.store.multi_get([f"beat{e}" for e in self.beats])):
             if beat != self.beats[e][0]:
                 self.beats[e] = (beat, now)
             elif now - self.beats[e][1] > sync.DEAD_S:
-                return (f"rollout process {e} (node {e // self.per_node}) sent no heartbeat for "
-                        f"{sync.DEAD_S} s: its node is lost, or it hangs")
-
-    def check_alive(self, stoppable=True):  # not stoppable in a push: every rank must finish it
-        if stoppable and self.stop_requested():
-            raise Stopped(signal.Signals(self.stop_requested()[0]).name)
-        if gone := self.gone():
-            raise RuntimeError(f"{gone}; its own error is printed above")
+                raise RuntimeError(f"rollout process {e} (node {e // self.per_node}) sent no "
+                                   f"heartbeat for {sync.DEAD_S} s: it died, its node is lost, or "
+                                   "it hangs; its node's log says which")
 
     def receive(self, traj):  # one engine's messages, until it says bye
         try:
@@ -224,23 +218,21 @@ class Rollouts:
         return {"next": self.next, "done": sorted(self.done),
                 "dropped": [self.buffer.dropped_stale, self.buffer.dropped_flat]}
 
-    def rollout_stats(self):
-        """The engines' counters, summed (rss: the largest); since the last call, the mean share of
-        each engine's slots that vLLM ran, over its steps, and the seconds each load paused it."""
+    def rollout_stats(self):  # the engines' counters, summed; since the last call, the mean share
+        # of each engine's slots vLLM ran (over its steps); their last loads' pause, the mean
         now, was = {e: dict(s) for e, s in self.stats.items()}, self.last
-        stats, self.last = list(now.values()), now
-        out = {k: (max if k == "rollout_rss_mb" else sum)(s[k] for s in stats) for k in stats[0]}
+        self.last, out = now, {k: sum(s[k] for s in now.values()) for k in rollout.COUNTERS}
         new = lambda k: [s[k] - was.get(e, {}).get(k, 0) for e, s in now.items()]
         frac = [r / n for r, n in zip(new("rollout_running"), new("rollout_steps")) if n]
-        loads = sum(new("rollout_loads"))
         return {**out, "rollout_running_frac": sum(frac) / len(frac) if frac else None,
-                "rollout_pause_s": sum(new("rollout_load_s")) / loads if loads else None}
+                "rollout_pause_s": sum(s["rollout_pause_s"] for s in now.values()) / len(now)}
 
-    def wait_for_eval(self, version, timeout_s):
+    def wait(self, done, timeout_s):  # -> done(), checked every 0.1 s, at most timeout_s
         deadline = time.time() + timeout_s
-        while not any(e["version"] == version for e in self.evals) and time.time() < deadline:
+        while not done() and time.time() < deadline:
             self.check_alive()
             time.sleep(0.1)
+        return done()
 
     def stop(self, timeout_s):  # every engine, on every node, says bye; then ours exit
         sync.announce(self.ctl, -1)
@@ -250,16 +242,12 @@ class Rollouts:
             p.wait(timeout=timeout_s)
 
 
-def died(e, node, pid, code):
-    return f"rollout process {e} (node {node}, pid {pid}) exited with code {code}"
-
-
-def report_exits(store, procs, first, node):  # another node's engines: which died, and how
+def report_exits(procs, first, node):  # another node's engines: which died, and how
     for e, p in enumerate(procs, first):
         if p.poll() is not None and not hasattr(p, "reported"):
-            p.reported = store.set(f"exit{e}", json.dumps([p.pid, p.returncode]))  # rank 0's error
-            store.add("exits", 1)
-            print(f"error: {died(e, node, p.pid, p.returncode)}", file=sys.stderr, flush=True)
+            p.reported = True
+            print(f"error: rollout process {e} (node {node}, pid {p.pid}) exited with code "
+                  f"{p.returncode}", file=sys.stderr, flush=True)
 
 
 def kill(procs):

@@ -1,6 +1,5 @@
 """configurator.py: train.py's config. Config files (config/*.py), then --key=value, override its
-defaults, each keeping its default's type; check() validates the rest. A mistake stops the run
-before anything starts, and says the fix."""
+defaults, each keeping its type; check() validates the rest. A mistake stops the run, says why."""
 import ast
 import difflib
 import json
@@ -78,6 +77,13 @@ def check(cfg, world):  # what can be checked before a process starts; -> cfg, i
     if cfg["rollout_seqs"] < cfg["group_size"]:
         die(f"rollout_seqs={cfg['rollout_seqs']} cannot hold a group of group_size="
             f"{cfg['group_size']}: raise rollout_seqs")
+    seqs = (cfg["max_staleness"] + 1) * cfg["batch_groups"] * cfg["group_size"]  # budget.py
+    engines = cfg["rollout_engines"] * int(os.environ["GROUP_WORLD_SIZE"])
+    if seqs < engines * cfg["rollout_seqs"] and os.environ["RANK"] == "0":
+        print(f"warning: the staleness budget, (max_staleness + 1) x batch_groups x group_size = "
+              f"{seqs} sequences, cannot fill {engines} engines x rollout_seqs="
+              f"{cfg['rollout_seqs']}: raise batch_groups or max_staleness, or use fewer engines "
+              f"or rollout_seqs={seqs // engines}", file=sys.stderr)
     cfg = dict(cfg, model=resolve_model(cfg["model"]))
     conf = json.load(open(f"{cfg['model']}/config.json"))
     kind, archs = conf.get("model_type"), conf.get("architectures") or []

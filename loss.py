@@ -18,9 +18,8 @@ def sampled_logprob(h, w, ids, temperature):  # log_softmax(h @ w.T / T)[ids], i
 
 @contextmanager
 def scoring(net, ids, temperature, rows=1024, keep_mb=512):
-    """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits;
-    past keep_mb of logits, `rows` positions at a time, each recomputed in backward ([positions x
-    vocabulary] never exists whole). FSDP's hooks are on the root, so its forward can be swapped."""
+    """For one forward call the output layer returns the logprobs of `ids` [B, T, K], not logits,
+    past keep_mb in chunks of `rows` recomputed in backward (FSDP's hooks sit on the root)."""
     head = net.get_output_embeddings()
 
     def forward(h):

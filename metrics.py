@@ -1,9 +1,7 @@
-"""metrics.py: rank 0's log: metrics.jsonl (a row per step and per eval), samples.jsonl (a few
-completions a step, and of dropped groups while the trainer waits) and the console; `python
-bench.py --plot OUT_DIR` draws curves.png. The README lists the keys worth watching."""
+"""metrics.py: rank 0's log: metrics.jsonl (a row per step and per eval), samples.jsonl (answers of
+each step, and of dropped groups while waiting) and the console. README: the keys worth watching."""
 import json
 import os
-import resource
 import time
 from statistics import fmean as mean
 
@@ -68,7 +66,6 @@ class Log:
              "env_token_frac": 1 - mean([t for c in comps for t in c["mask"]]),
              "train_tokens_per_s": (s["fresh"] + s["stale"]) / extra["t_train_s"],
              "dropped_stale": fleet.buffer.dropped_stale, "dropped_flat": fleet.buffer.dropped_flat,
-             "trainer_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
              "prompts": sorted(g["pos"] for g in groups), **self.state(), **extra,
              **fleet.rollout_stats()}
         print(f"step {step:4d} | reward {m['reward_mean']:.3f} | stale {m['staleness_mean']:.2f}/"

@@ -1,11 +1,10 @@
 """reward.py: the tasks and the processes that run their code. A task (load_task) is its problems
-(train and eval lists of {"id", "prompt", "answer"}), its grade(text, answer) -> reward and
-optionally its turn(text, answer) -> the tool's words after a model turn (appended; the model goes
-on), or None: the answer is final. arithmetic and gsm8k answer in one turn; calculator's word
-problems call a calculator. Grades and tools run in worker processes beside the engine loop; one
-past its time limit is killed with its process (sympy can spin in C, where no signal reaches):
-a failure, like an error. Simplifications: reward 1 or 0, no format reward; a tool's words are
-plain text inside the answer (no tool role in the chat template); a failed tool call ends it."""
+(train and eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward and optionally
+turn(text, answer) -> the tool's words after a model turn (appended; the model goes on) or None
+(final). arithmetic and gsm8k answer in one turn; calculator's word problems call a calculator.
+Grades and tools run in worker processes beside the engine loop; one past its time limit is killed
+with its process (sympy can spin in C, where no signal reaches). Simplifications: reward 1 or 0, no
+format reward; a tool's words are plain text in the answer (no tool role); a failed call ends it."""
 import ast
 import ctypes
 import json
@@ -196,9 +195,8 @@ def _work_forever(conn):  # one worker process: [(fn, text, answer)] in, (result
 
 
 class Workers:
-    """Processes for the task's grades and tools. submit() queues fn(text, answer) (fn: a module's
-    function); poll() sends each idle worker its share of the queue in one message and -> [(key,
-    result, failed)] done since. A call's clock starts when its worker reaches it."""
+    """Processes for grades and tools: submit() queues fn(text, answer) (a module's function);
+    poll() sends each idle worker its share of the queue, -> [(key, result, failed)] done since."""
 
     def __init__(self, workers=2, timeout_s=5.0):
         self.timeout_s = timeout_s

@@ -1,19 +1,17 @@
-"""rollout.py: one process per vLLM engine, stepped by hand and never waiting for the trainer.
-Between two engine steps it loads announced weights (a copy: they arrived while it generated;
-requests in flight go on, each token tagged with the version that computed it), starts groups as
-the budget and free slots allow (budget.py), hands each finished turn to the task's worker
-processes (reward.py) and sends graded groups to trainer rank 0. A turn
-the task's tool answers goes on as a new request over the dialogue so far, the tool's tokens
-included (context, never trained): one completion, up to max_turns. Engine 0 runs the evals too.
-Simplifications: the engine core runs in this process (on a GPU, vLLM's async scheduling keeps the
-device busy while this loop works); a group is n=1 requests sharing their prompt's KV cache; no
-top-k/top-p (the logprobs would be of a truncated distribution); no speculative decoding."""
+"""rollout.py: one process per vLLM engine, stepped by hand, never waiting for the trainer. Between
+two steps it copies in announced weights (received while it generated; requests in flight go on,
+each token tagged with the version that computed it), starts groups (budget.py), hands finished
+turns to the task's worker processes (reward.py) and sends graded groups to trainer rank 0. A turn
+the tool answers goes on as a new request over the dialogue, the tool's tokens included (context,
+never trained), up to max_turns. Engine 0 runs the evals too. Simplifications: the engine core runs
+in this process (on a GPU vLLM's async scheduling keeps the device busy meanwhile); a group is n=1
+requests sharing their prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated
+distribution); no speculative decoding."""
 import ctypes
 import json
 import os
 import queue
 import random
-import resource
 import signal
 import sys
 import threading
@@ -29,8 +27,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is i
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat by the dozen
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
 COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "  # summed,
-            "rollout_load_s rollout_loads rollout_grade_s rollout_steps rollout_running "  # sent
-            "rollout_started rollout_rss_mb").split()  # with every message
+            "rollout_load_s rollout_pause_s rollout_grade_s rollout_steps rollout_running "
+            "rollout_started").split()  # sent with every message (pause: the last load's)
 
 
 def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
@@ -52,8 +50,7 @@ def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
     # room, and CUDA graphs, for the training sequences and engine 0's evals
     seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)
-    capture = {"max_cudagraph_capture_size": seqs}
-    graphs = {} if device == "cpu" else {"compilation_config": capture}
+    graphs = {} if device == "cpu" else {"compilation_config": {"max_cudagraph_capture_size": seqs}}
     # processed_logprobs: those of the distribution actually sampled. Prefix caching shares whole
     # blocks: at the CPU default of 128 tokens a group's samples would each recompute their prompt
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"] + e,
@@ -128,14 +125,14 @@ class Rollout:
         self.groups, self.perm, self.inbox = {}, {}, queue.Queue()
         self.starts = {}  # request id -> [(version, index of the first token it computed)]
         self.evals = {}  # engine 0's evals in progress, by version: groups of their own
-        self.pending, self.retry_at, self.n_groups = None, 0.0, 0
-        self.budget, self.live, self.running = Budget(self.store, cfg, e, self.v0), 0, 0
+        self.pending, self.n_groups, self.live, self.running = None, 0, 0, 0
+        self.budget = Budget(self.store, cfg, e, self.v0)
         self.idle = ""  # borrow_cpus: our mark in the store (mark_idle)
         threading.Thread(target=self.receive, daemon=True).start()
 
     def receive(self):  # thread: announced versions into the inbox until -1 (stop) or an error
         try:
-            while (v := sync.announced(self.ctl)) >= 0:
+            while (v := sync.announce(self.ctl)) >= 0:
                 self.inbox.put(v)
             self.inbox.put(v)
         except Exception as e:
@@ -164,24 +161,21 @@ class Rollout:
         self.running += not rid.startswith("eval")  # training sequences in vLLM
 
     def post(self, msg):
-        self.counters["rollout_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.counters["rollout_started"] = self.budget.started  # groups, before any given back
         sync.send_obj(self.traj, {**msg, "engine": self.e, **self.counters}, 0)
 
     def load(self):
-        """Every vLLM worker copies the weights it received while we generated (sync.load). A
-        request's tokens from here on are the new version's, but for `lag` of a step launched
-        before: tagged old."""
+        """Every vLLM worker copies in the weights it received while we generated (sync.load): a
+        request's tokens from here on are theirs, but `lag` of a step launched before (old)."""
         t0 = time.perf_counter()
         self.version = self.llm.collective_rpc(sync.load)[0]  # the oldest push received
         self.llm.reset_prefix_cache()  # a no-op while requests hold blocks: the salt covers that
         self.pending = None if self.version == self.pending else self.pending
-        self.retry_at = 0.0
         for r in self.engine.output_processor.request_states.values():  # requests in flight
             self.starts[r.external_req_id].append(
                 (self.version, r.detokenizer.num_output_tokens() + self.lag))
-        self.counters["rollout_load_s"] += time.perf_counter() - t0  # generation paused
-        self.counters["rollout_loads"] += 1
+        self.counters["rollout_pause_s"] = time.perf_counter() - t0  # generation paused
+        self.counters["rollout_load_s"] += self.counters["rollout_pause_s"]
         every, v = self.cfg["eval_every"], self.version
         if self.e == 0 and every and (v % every == 0 or v == self.cfg["max_steps"]):
             self.start_eval()
@@ -197,25 +191,18 @@ class Rollout:
             self.add(f"{gid}/{j}/0", p["ids"], params)
 
     def admit(self):
-        """New groups while the budget and the free slots allow (budget.py), positions in one
-        round trip. Stream position k (shared by all engines) is problem perm[k mod N], seeded."""
-        want, N = self.budget.groups_room(self.live), len(self.train_set)
-        if want <= 0 or time.monotonic() < self.retry_at:
-            return
-        got = min(want, self.budget.tickets(self.version))
-        self.budget.started += got
-        if got < want:
-            self.retry_at = time.monotonic() + 0.01  # the budget grows with a load or a discard
-        positions = []
+        """New groups as the budget and the free slots allow (budget.py), positions in one round
+        trip. Stream position k (shared by all engines) is problem perm[k mod N], seeded."""
+        got, N, positions = self.budget.take(self.version, self.live), len(self.train_set), []
         while len(positions) < got:  # skip those trained before the checkpoint we resumed from
             n = got - len(positions)
             end = self.first + self.store.add("pos", n)
             positions += [k for k in range(end - n, end) if k not in self.done]
         for k in positions:
             epoch, i = divmod(k, N)
-            if epoch not in self.perm:
-                rng = random.Random(f"{self.cfg['seed']}/{epoch}")
-                self.perm = {epoch: rng.sample(range(N), N)}
+            if epoch not in self.perm:  # the epoch's order, the same in every engine
+                self.perm = {epoch: random.Random(f"{self.cfg['seed']}/{epoch}").sample(range(N),
+                                                                                        N)}
             problem, self.n_groups = self.train_set[self.perm[epoch][i]], self.n_groups + 1
             self.open(self.groups, f"g{self.n_groups}", [problem] * self.cfg["group_size"], False,
                       pos=k)
@@ -298,7 +285,7 @@ class Rollout:
         self.post(msg)
 
     def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait on, with nothing to do
-        busy = self.groups or self.evals or self.pending is not None or not self.retry_at
+        busy = self.groups or self.evals or self.pending is not None  # admit() ran just before
         if (mark := "" if busy else str(self.version)) != self.idle:
             self.store.set(f"idle{self.e}", mark)
             self.idle = mark

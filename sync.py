@@ -1,10 +1,9 @@
-"""sync.py: the trainer <-> rollout engine wires, set up by a TCPStore on trainer rank 0 (which also
-holds the bucket plan and the admission counters, rollout.Budget). Gloo: ctl tells the engines
-each version to load, traj brings back groups and evals. Weights go from trainer rank 0 to a thread
-in each vLLM worker that receives them into a staging copy while the engine goes on generating
-(NCCL on GPU, gloo on CPU; colocated, the staging copy is shared memory, CUDA IPC or /dev/shm, and
-gloo only signals); the engine then pauses only to copy it into vLLM's weights (load).
-Simplifications: a fixed weight layout; buckets cut at tensor boundaries; one staging copy."""
+"""sync.py: the trainer <-> rollout engine wires, set up by a TCPStore on trainer rank 0 (also the
+heartbeats, the weights' plan, budget.py's discards). Gloo: ctl tells the engines each version to
+load, traj brings back groups and evals. The weights go from trainer rank 0 to a thread in each
+vLLM worker, into a staging copy while the engine generates (NCCL on GPU, gloo on CPU; colocated,
+it is shared memory, CUDA IPC or /dev/shm); the engine pauses only to copy it in (load).
+Simplifications: a fixed weight layout; a broadcast per tensor; one staging copy."""
 import math
 import os
 import pickle
@@ -31,8 +30,7 @@ def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine (M
 
 
 def heartbeat(host, port, key, who, every=lambda store: None, first_s=DEAD_S):
-    """Thread: adds 1 to `key` in the store every BEAT_S and runs every(store); if trainer rank 0's
-    store is gone or silent for DEAD_S (rank 0 died, its node is lost), ends the process."""
+    """Thread: `key` += 1 each BEAT_S, every(store); rank 0's store gone or silent: exit at once."""
     def run():
         try:
             store = open_store(host, port, False, first_s)
@@ -46,15 +44,6 @@ def heartbeat(host, port, key, who, every=lambda store: None, first_s=DEAD_S):
                   file=sys.stderr, flush=True)
             os._exit(1)  # at once: nothing waits on a dead peer (NCCL would, for its timeout)
     threading.Thread(target=run, daemon=True).start()
-
-
-def wait_for(store, keys, timeout_s, check_alive=lambda: None):
-    deadline = time.time() + timeout_s
-    while not store.check(keys):
-        check_alive()
-        if time.time() > deadline:
-            raise TimeoutError(f"the rollout side did not set {keys} in {timeout_s} s")
-        time.sleep(0.1)
 
 
 def gloo(store, name, rank, size, timeout_s):
@@ -83,12 +72,8 @@ def recv_obj(pg, src):
     return pickle.loads(data.numpy().tobytes())
 
 
-def announce(pg, version):  # ctl: to every engine, load `version` (its weights are out); -1: stop
-    pg.broadcast(torch.tensor([version]), 0).wait()
-
-
-def announced(pg):
-    v = torch.zeros(1, dtype=torch.int64)
+def announce(pg, version=0):  # ctl: trainer rank 0 tells every engine the version to load (-1:
+    v = torch.tensor([version])  # stop); -> what the engines receive
     pg.broadcast(v, 0).wait()
     return int(v)
 
@@ -100,36 +85,20 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
     work.wait()  # raises its error, if it failed
 
 
-def plan_buckets(meta, bucket_mb, dtype):  # [(name, shape)] -> [[(name, shape, offset, numel)]]
-    limit, buckets, used = int(bucket_mb * 2**20) // dtype.itemsize, [], 0
+def plan(meta):  # [(name, shape)] -> [(name, shape, offset, numel)] in one flat staging copy
+    out, offset = [], 0
     for name, shape in meta:
-        n = math.prod(shape)
-        if not buckets or used + n > limit:
-            buckets.append([])
-            used = 0
-        buckets[-1].append((name, tuple(shape), used, n))
-        used += n
-    return buckets
+        out.append((name, tuple(shape), offset, math.prod(shape)))
+        offset += out[-1][3]
+    return out
 
 
-def numel(bucket):
-    return sum(n for *_, n in bucket)
-
-
-def spans(buckets):  # each bucket's place in the staging copy
-    ends = [sum(map(numel, buckets[:k + 1])) for k in range(len(buckets))]
-    return [(end - numel(b), end) for b, end in zip(buckets, ends)]
-
-
-def staging(buckets, cfg, device):  # a flat copy of every weight; colocated on CPU, in /dev/shm
-    size, dtype = sum(map(numel, buckets)), getattr(torch, cfg["rollout_dtype"])
+def staging(plan, cfg, device):  # a flat copy of every weight; colocated on CPU, in /dev/shm
+    size, dtype = sum(n for *_, n in plan), getattr(torch, cfg["rollout_dtype"])
     if cfg["colocate"] and device.type == "cpu":
-        return torch.from_file(shm_path(cfg["rollout_port"]), shared=True, size=size, dtype=dtype)
+        path = f"/dev/shm/nanoasync-{cfg['rollout_port']}"  # Sender unlinks it once all mapped
+        return torch.from_file(path, shared=True, size=size, dtype=dtype)
     return torch.empty(size, dtype=dtype, device=device)
-
-
-def shm_path(port):
-    return f"/dev/shm/nanoasync-{port}"
 
 
 def weight_groups(store, rank, world, device, colocate, timeout_s):
@@ -154,55 +123,42 @@ def barrier(pg, device):
 
 
 class Sender:  # trainer rank 0's end of the weight groups
-    def __init__(self, store, buckets, cfg, device, workers):
-        self.buckets, self.device, self.colocate = buckets, device, cfg["colocate"]
-        store.set("plan", pickle.dumps(buckets))
+    def __init__(self, store, plan, cfg, device, workers):
+        self.plan, self.device, self.colocate = plan, device, cfg["colocate"]
+        self.dtype = getattr(torch, cfg["rollout_dtype"])
+        store.set("plan", pickle.dumps(plan))
         if self.colocate:  # the workers' staging copy itself
-            self.bufs = [staging(buckets, cfg, device)]
+            self.copy = staging(plan, cfg, device)
             if device.type == "cuda":
                 from torch.multiprocessing.reductions import reduce_tensor
-                store.set("ipc", pickle.dumps(reduce_tensor(self.bufs[0])))
-        else:  # two bucket buffers: one is filled while the other is on the wire
-            dtype = getattr(torch, cfg["rollout_dtype"])
-            self.bufs = [torch.empty(max(map(numel, buckets)), dtype=dtype, device=device)
-                         for _ in (0, 1)]
+                store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
         store.set("weights_ready", "1")
         self.wake, self.pg = weight_groups(store, 0, 1 + workers, device, self.colocate,
                                            cfg["timeout_s"])
         if self.colocate and device.type == "cpu":  # all mapped: nothing left, even after kill -9
-            os.unlink(shm_path(cfg["rollout_port"]))
-        self.bytes = sum(map(numel, buckets)) * self.bufs[0].element_size()
+            os.unlink(self.copy.untyped_storage().filename)
 
 
-def push(sender, tensors, buckets, version=0, check_alive=lambda: None):
-    """Every trainer rank calls this (gathers are collectives); only rank 0 passes a Sender. The
-    workers receive it while their engines generate; train.py then announces it (ctl)."""
-    it, works = iter(tensors), []
+def push(sender, tensors, plan, version=0, check_alive=lambda: None):
+    """Every trainer rank calls it (gathers are collectives); rank 0 alone passes a Sender."""
+    works = []
     if sender is not None:  # the version to every worker, once its engine has loaded the last
         finish(sender.wake.allreduce([torch.tensor([version])]), check_alive)
-    for k, (bucket, (start, end)) in enumerate(zip(buckets, spans(buckets))):
-        full = [next(it) for _ in bucket]
-        for (name, *_), (got, _) in zip(bucket, full):
-            assert got == name, f"weight order changed: expected {name}, got {got}"
+    for (name, _, off, n), (got, t) in zip(plan, tensors):
+        assert got == name, f"weight order changed: expected {name}, got {got}"
         if sender is None:
             continue
+        t = t.detach().to(sender.dtype).reshape(-1)
         if sender.colocate:
-            flat = sender.bufs[0][start:end]
-        else:
-            if len(works) >= 2:
-                works[-2].wait()  # this buffer is free again; NCCL: the stream waits, not the host
-            flat = sender.bufs[k % 2]
-        for (_, _, off, n), (_, t) in zip(bucket, full):
-            flat[off:off + n].copy_(t.detach().reshape(-1))
-        if not sender.colocate:
-            works.append(sender.pg.broadcast(flat[:end - start], 0))
-    if sender is None:
-        return 0
-    if sender.colocate:
+            sender.copy[off:off + n].copy_(t)
+        else:  # a tensor at a time: its send overlaps the next ones' gathers; 8 in flight
+            works.append(sender.pg.broadcast(t, 0))
+            if len(works) > 8:
+                finish(works[-9], check_alive)
+    if sender is not None and sender.colocate:
         barrier(sender.pg, sender.device)  # all of it is in place
     for w in works:
         finish(w, check_alive)
-    return sender.bytes
 
 
 def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc): start receiving
@@ -210,16 +166,16 @@ def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc): star
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(cfg["host"], port, False, cfg["timeout_s"])
     store.wait(["weights_ready"])
-    buckets = pickle.loads(store.get("plan"))
+    plan = pickle.loads(store.get("plan"))
     if cfg["colocate"] and cuda:  # CUDA IPC: open the trainer's
         fn, args = pickle.loads(store.get("ipc"))
         copy = fn(*args)
     else:
-        copy = staging(buckets, cfg, device)
+        copy = staging(plan, cfg, device)
     world = 1 + cfg["engines"] * cfg["tensor_parallel_size"]
     groups = weight_groups(store, first_rank + worker.rank, world, device, cfg["colocate"],
                            cfg["timeout_s"])
-    worker.nanoasync = s = dict(copy=copy, buckets=buckets, device=device, staged=queue.Queue(),
+    worker.nanoasync = s = dict(copy=copy, plan=plan, device=device, staged=queue.Queue(),
                                 loaded=threading.Event(), timeout_s=cfg["timeout_s"],
                                 groups=groups, colocate=cfg["colocate"],
                                 inline=cuda and cfg["tensor_parallel_size"] > 1)
@@ -238,17 +194,16 @@ def receive(s):  # one push into the staging copy -> its version
         return int(version)
     stream = torch.cuda.Stream(s["device"]) if s["device"].type == "cuda" else None
     with torch.cuda.stream(stream):  # None (CPU): a no-op
-        works = [pg.broadcast(s["copy"][a:b], 0) for a, b in spans(s["buckets"])]
+        works = [pg.broadcast(s["copy"][off:off + n], 0) for *_, off, n in s["plan"]]
     for w in works:
         finish(w)
     return int(version)
 
 
 def stage(s):
-    """Thread in each worker: push after push into the staging copy, beside vLLM's forward passes;
-    on a GPU on a stream of its own, never waited on: it gates none of vLLM's kernels. Not with
-    tensor_parallel_size > 1 on GPUs: NCCL does not promise that two communicators' kernels at once
-    (ours, vLLM's all-reduces) cannot deadlock; there load() receives, the engine paused."""
+    """Thread in each worker: each push into the staging copy beside vLLM's forward passes, on a
+    stream no kernel of vLLM's waits on. Not with tensor_parallel_size > 1 on GPUs (NCCL does not
+    promise two communicators at once cannot deadlock): load() receives there, the engine paused."""
     try:
         while True:
             s["staged"].put(receive(s))
@@ -258,22 +213,18 @@ def stage(s):
         s["staged"].put(e)
 
 
-def load(worker):  # in each vLLM worker (collective_rpc): the engine's pause -> the version
-    s = worker.nanoasync
-    if s["inline"]:
-        torch.cuda.synchronize()  # no forward pass (nor vLLM's all-reduces) runs meanwhile
-        s["staged"].put(receive(s))
+def load(worker):  # in each vLLM worker (collective_rpc): the engine's pause, a copy -> version
+    s, cuda = worker.nanoasync, torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()  # no forward pass reads the old weights (nor all-reduces run)
     try:
-        version = s["staged"].get(timeout=s["timeout_s"])
+        version = receive(s) if s["inline"] else s["staged"].get(timeout=s["timeout_s"])
     except queue.Empty:
         raise TimeoutError(f"no weights came in timeout_s={s['timeout_s']} s") from None
     if isinstance(version, Exception):
         raise RuntimeError(f"receiving weights failed: {version}")
-    cuda, buckets = s["device"].type == "cuda", s["buckets"]
-    if cuda:
-        torch.cuda.synchronize()  # no forward pass still reads the old weights
-    copy_in(worker, ((name, s["copy"][a + off:a + off + n].view(shape))
-                     for b, (a, _) in zip(buckets, spans(buckets)) for name, shape, off, n in b))
+    copy_in(worker, ((name, s["copy"][off:off + n].view(shape)) for name, shape, off, n in
+                     s["plan"]))
     if cuda:
         torch.cuda.synchronize()  # done with the staging copy; every stream sees the new weights
     s["loaded"].set()

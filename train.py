@@ -1,11 +1,11 @@
 """train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`
 (`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; each node's first
 rank starts its vLLM engines (rollout.py), which generate all the time. Each optimizer step takes a
-batch (the one wait for generation, buffer.py), computes the loss (loss.py), steps, pushes the new
-weights into every vLLM worker (sync.py) and logs (metrics.py). Version k = the weights after k
-steps; batch k is trained at version k. Ctrl-C, SIGTERM or a stall stops every rank at the next
-step boundary. Simplifications: one optimizer step per batch; AdamW at a constant learning rate;
-no KL penalty, no reference model (beta = 0, as in DAPO); trainer rank 0 alone talks to engines."""
+batch (the one wait for generation, buffer.py), computes the loss (loss.py), steps, sends the new
+weights to every vLLM worker (sync.py) and logs (metrics.py); batch k trains version k (the weights
+after k steps). Ctrl-C, SIGTERM or a stall stops every rank at a step boundary. Simplifications:
+one optimizer step a batch; constant-lr AdamW; no KL penalty, no reference model (beta = 0, as in
+DAPO); trainer rank 0 alone talks to the engines."""
 import json
 import os
 import signal
@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import budget
 import buffer as buf
 import configurator
 import loss as L
@@ -60,7 +59,6 @@ max_model_len = 512
 kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
 enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
-bucket_mb = 64  # weight push bucket size
 rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine (MASTER_ADDR)
 timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
 start_timeout_s = 900  # engine start: a cold GPU start compiles kernels, captures CUDA graphs
@@ -80,8 +78,6 @@ rank, world, local_rank, local_world, node, nodes = (int(os.environ[k]) for k in
 master = rank == 0
 config = configurator.check(config, world)
 model = config["model"]  # a hub id is now a folder in the hub cache
-if master and (warning := budget.check(config, rollout_engines * nodes)):
-    print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 # ---- placement: on every node, trainer ranks on the first GPUs, that node's engines after ----
 cuda = torch.cuda.is_available()
@@ -110,8 +106,8 @@ def full_weights(dtype=getattr(torch, trainer_dtype)):
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
-meta = [(name, tuple(p.shape)) for name, p in policy.named_parameters()]
-buckets = sync.plan_buckets(meta, bucket_mb, getattr(torch, rollout_dtype))  # one plan, every side
+# every weight's place in the engines' staging copy, the same on every side
+plan = sync.plan([(name, p.shape) for name, p in policy.named_parameters()])
 ckpt_path, ckpt = os.path.join(out_dir, "ckpt.pt"), {}
 
 
@@ -141,28 +137,25 @@ for sig in (signal.SIGINT, signal.SIGTERM):
 if master:
     os.makedirs(out_dir, exist_ok=True)
     json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)
-    fleet = buf.Rollouts(config, buckets, device, engine_gpus, ckpt, lambda: stop_signal, nodes)
+    fleet = buf.Rollouts(config, plan, device, engine_gpus, ckpt, lambda: stop_signal, nodes)
     log = metrics.Log(config, start, ckpt)
 elif engine_gpus:  # another node's engines: numbered on from node 0's, they talk to rank 0 only
     engines = buf.spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
                         os.environ["MASTER_ADDR"])
 if not master:  # rank 0 gone: exit at once, not when a collective times out; our engines' deaths
     sync.heartbeat(os.environ["MASTER_ADDR"], rollout_port, f"rank{rank}", f"trainer rank {rank}",
-                   lambda store: buf.report_exits(store, engines, node * rollout_engines, node),
+                   lambda store: buf.report_exits(engines, node * rollout_engines, node),
                    start_timeout_s)
 
 
 def push_weights(version):  # every rank gathers; rank 0 sends, then tells the engines to load it
     if not master:
-        return sync.push(None, full_weights(), buckets)
-    inline = cuda and tensor_parallel_size > 1  # the engines receive it paused (sync.stage)
-    if inline:
+        return sync.push(None, full_weights(), plan)
+    if inline := cuda and tensor_parallel_size > 1:  # the engines receive it paused (sync.stage)
         sync.announce(fleet.ctl, version)
-    sent = sync.push(fleet.sender, full_weights(), buckets, version,
-                     lambda: fleet.check_alive(False))
+    sync.push(fleet.sender, full_weights(), plan, version, lambda: fleet.check_alive(False))
     if not inline:
         sync.announce(fleet.ctl, version)  # they received it while generating: now a copy
-    return sent
 
 
 def micro_batch(groups, step, n_tok):
@@ -222,12 +215,12 @@ try:
         t_train, version = time.perf_counter() - t0, step + 1
         # ---- 3. the new weights to every engine ----
         t0 = time.perf_counter()
-        sync_bytes = push_weights(version)  # the overlap, 2 of 2: loaded between two engine steps
+        push_weights(version)  # the overlap, 2 of 2: received beside generation, loaded as a copy
         t_sync = time.perf_counter() - t0
         # ---- 4. log ----
         if master:
             log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
-                     t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync, sync_bytes=sync_bytes,
+                     t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync,
                      borrowed_frac=borrowed / len(micro_batches))
             fleet.done.update(g["pos"] for g in seen)  # positions taken, for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
@@ -238,30 +231,26 @@ try:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
         policy.save_pretrained(out_dir, state_dict=full)
         if eval_every > 0:
-            fleet.wait_for_eval(max_steps, timeout_s)
+            fleet.wait(lambda: any(e["version"] == max_steps for e in fleet.evals), timeout_s)
         log.close(fleet.evals)
         fleet.stop(timeout_s)
     for p in engines:
         p.wait()  # another node's: they exit once rank 0 has its final eval and says so
-except buf.Stopped as e:
-    if master:
+except Exception as error:  # a signal or a stall (Stopped), or an error: every process ends here
+    if isinstance(error, buf.Stopped) and master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
-        print(f"stopped at step {step}: {e}{saved}", file=sys.stderr, flush=True)
+        print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
+    elif not isinstance(error, buf.Stopped):
+        try:
+            if master:  # a broken connection: did a rollout process die? then the error names it
+                time.sleep(1)  # a dying process may not have exited yet
+                fleet.check_alive(False)
+            raise error
+        except Exception:
+            traceback.print_exc()
     buf.kill(fleet.procs if master else engines)
-    sys.stdout.flush()
-    # not sys.exit: tearing down the groups whose threads still wait on the engines aborts
-    os._exit(128 + stop_signal[0] if stop_signal else 1)
-except Exception as error:
-    try:
-        if master:  # a broken connection: did a rollout process die? then the error names it
-            time.sleep(1)  # a dying process may not have exited yet
-            fleet.check_alive(False)
-        raise error
-    except Exception:
-        traceback.print_exc()
-        buf.kill(fleet.procs if master else engines)
-        sys.stderr.flush()
-        os._exit(1)  # at once: no teardown waits on a dead peer's collectives (NCCL would)
-finally:
-    buf.kill(fleet.procs if master else engines)
+    sys.stdout.flush(), sys.stderr.flush()
+    # not sys.exit: tearing down groups whose threads wait on a peer aborts, or hangs (NCCL)
+    os._exit(128 + stop_signal[0] if isinstance(error, buf.Stopped) and stop_signal else 1)
+buf.kill(fleet.procs if master else engines)
 dist.destroy_process_group()

@@ -26,5 +26,4 @@ max_model_len = 1024
 # KV cache for the training sequences and an eval: (512 + 500) x ~710 tokens x 28 KB = 20 GB
 gpu_memory_utilization = 0.4
 enforce_eager = False
-bucket_mb = 256
 timeout_s = 600

@@ -27,5 +27,4 @@ activation_checkpointing = True
 max_model_len = 2048
 gpu_memory_utilization = 0.85
 enforce_eager = False
-bucket_mb = 512
 timeout_s = 600

@@ -19,7 +19,7 @@ from conftest import ROOT, free_port
 KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max "
         "dropped_stale dropped_flat loss bounded_frac_stale "
         "cut_frac logprob_mismatch logprob_shift_reloaded grad_norm samples "
-        "gen_tokens t_wait_s t_train_s t_sync_s elapsed_s borrowed_frac sync_bytes engine_groups "
+        "gen_tokens t_wait_s t_train_s t_sync_s elapsed_s borrowed_frac engine_groups "
         "turns_mean rollout_running_frac rollout_pause_s "
         "reward_failed rollout_grade_s").split()
 SYNC = ("--max_staleness=0", "--eval_every=0")
@@ -82,10 +82,12 @@ def test_async_run(tiny, tmp_path, nproc, eta):
     for m in steps:
         assert all(k in m for k in KEYS), set(KEYS) - set(m)
         assert m["staleness_max"] <= eta
-        assert 0 < m["rollout_running_frac"] <= 1 and m["rollout_pause_s"] > 0, m
+        assert 0 < (m["rollout_running_frac"] or 1) <= 1 and m["rollout_pause_s"] >= 0
     assert steps[-1]["samples"] == 6 * 4 * 4 and steps[-1]["gen_tokens"] > 0
-    # the rollout really ran ahead of the trainer
+    # the rollout really ran ahead of the trainer; its slots' share and its loads' pauses are seen
     assert max(m["staleness_max"] for m in steps) >= 1
+    assert max(m["rollout_running_frac"] or 0 for m in steps) > 0
+    assert max(m["rollout_pause_s"] for m in steps) > 0
     # completions that the trained weights computed entirely match the trainer (fp32), loads or not
     whole = [m["logprob_mismatch"] for m in steps if m["logprob_mismatch"] is not None]
     assert whole and max(whole) < 1e-4, whole
@@ -190,9 +192,7 @@ def test_every_engine_samples_what_the_trainer_computes(tiny, tmp_path, extra):
     assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
     for m in steps:
         assert m["staleness_max"] == 0 and m["logprob_mismatch"] < 1e-4
-        assert (m["sync_bytes"] > 0
-                and len(m["engine_groups"]) == (2 if extra[0].endswith("2") else 1))
-    assert all(m["engine_groups"] in ([4], [2, 2]) for m in steps), steps
+        assert m["engine_groups"] == ([2, 2] if extra[0].endswith("2") else [4]), steps
 
 
 def test_kill_9_then_resume_trains_every_prompt_once(sync_run, tmp_path):
@@ -467,7 +467,8 @@ def test_an_engine_killed_during_a_push_ends_every_process_within_seconds(tiny, 
                KILLED=str(tmp_path / "killed"))
     p = subprocess.Popen(command(tmp_path / "run", "--eval_every=0", "--rollout_engines=2",
                                  "--timeout_s=60", nproc=2),
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
     while p.poll() is None and ours(tmp_path / "run"):
         time.sleep(0.1)
     gone = time.time()
@@ -493,8 +494,8 @@ def test_a_quiet_engine_is_not_a_dead_one(tiny, tmp_path):
 
 def test_a_remote_engine_killed_is_named_on_both_nodes_within_seconds(tiny, tmp_path):
     """Two nodes (torchrun agents here), one rank and one engine each; node 1's engine is
-    SIGKILLed mid-run: its node says so, rank 0 names it by engine, node and pid, and every
-    process of both nodes is gone within 15 s."""
+    SIGKILLed mid-run: its node names it with its pid and exit code, rank 0 by engine and node once
+    its heartbeats stop, and every process of both nodes is gone within 20 s."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
               "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     run = ["train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={free_port()}",
@@ -505,7 +506,8 @@ def test_a_remote_engine_killed_is_named_on_both_nodes_within_seconds(tiny, tmp_
     while len(metrics(tmp_path)[0]) < 2 if (tmp_path / "metrics.jsonl").exists() else True:
         assert time.time() < deadline and all(p.poll() is None for p in nodes)
         time.sleep(0.2)
-    engine = [q for q in ours(tmp_path) if q.cmdline()[-1] == "1" and "rollout.py" in q.cmdline()[1]]
+    engine = [q for q in ours(tmp_path)
+              if q.cmdline()[-1] == "1" and "rollout.py" in q.cmdline()[1]]
     t0 = time.time()
     engine[0].kill()
     while ours(tmp_path):
@@ -513,6 +515,6 @@ def test_a_remote_engine_killed_is_named_on_both_nodes_within_seconds(tiny, tmp_
     took = time.time() - t0
     errs = [p.communicate(timeout=60)[1] for p in nodes]
     print(f"\nnode 1's engine SIGKILLed: both nodes gone {took:.1f} s later")
-    named = f"rollout process 1 (node 1, pid {engine[0].pid}) exited with code -9"
-    assert all(p.returncode != 0 for p in nodes) and took < 15, errs[0][-3000:]
-    assert named in errs[0] and named in errs[1], (errs[0][-2000:], errs[1][-2000:])
+    assert all(p.returncode != 0 for p in nodes) and took < 20, errs[0][-3000:]
+    assert "rollout process 1 (node 1) sent no heartbeat for 10 s" in errs[0], errs[0][-3000:]
+    assert f"rollout process 1 (node 1, pid {engine[0].pid}) exited with code -9" in errs[1]

@@ -40,20 +40,20 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
                max_turns=4)
     model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    buckets = sync.plan_buckets(meta, 64, torch.float32)
-    fleet = buffer.Rollouts(cfg, buckets, torch.device("cpu"), [[]], {}, lambda: False)
+    plan = sync.plan(meta)
+    fleet = buffer.Rollouts(cfg, plan, torch.device("cpu"), [[]], {}, lambda: False)
     try:
         for v in range(1, 13):
             time.sleep(0.1)
             scale = 0.0 if v % 2 == 0 else 40.0
             sync.push(fleet.sender, ((n, p * scale if n == "model.norm.weight" else p)
-                                     for n, p in model.named_parameters()), buckets, v)
+                                     for n, p in model.named_parameters()), plan, v)
             sync.announce(fleet.ctl, v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 8 and time.time() < deadline:
             fleet.check_alive()
             time.sleep(0.1)
-        fleet.wait_for_eval(12, 120)
+        fleet.wait(lambda: any(e["version"] == 12 for e in fleet.evals), 120)
         groups = list(fleet.buffer.groups)
         fleet.stop(60)
     finally:
@@ -93,9 +93,9 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
                max_staleness=0, eval_every=0, timeout_s=60, max_steps=1000)
     model = AutoModelForCausalLM.from_pretrained(tiny["untied"], dtype=torch.float32).eval()
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    buckets = sync.plan_buckets(meta, 64, torch.float32)
+    plan = sync.plan(meta)
     states = [{k: v.clone() for k, v in model.state_dict().items()}]
-    fleet = buffer.Rollouts(cfg, buckets, torch.device("cpu"), [[]], {}, lambda: [])
+    fleet = buffer.Rollouts(cfg, plan, torch.device("cpu"), [[]], {}, lambda: [])
     try:
         for v in range(1, 9):
             time.sleep(0.1)
@@ -104,7 +104,7 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.02)
             states.append({k: t.clone() for k, t in model.state_dict().items()})
-            sync.push(fleet.sender, model.named_parameters(), buckets, v)
+            sync.push(fleet.sender, model.named_parameters(), plan, v)
             sync.announce(fleet.ctl, v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 6 and time.time() < deadline:
@@ -152,8 +152,8 @@ def test_each_engine_starts_its_share_of_the_budget_and_no_more(tiny):
                drop_flat=True, eval_every=0, timeout_s=60, max_steps=1000, rollout_engines=2)
     model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    buckets = sync.plan_buckets(meta, 64, torch.float32)
-    fleet = buffer.Rollouts(cfg, buckets, torch.device("cpu"), [[], []], {}, lambda: [])
+    plan = sync.plan(meta)
+    fleet = buffer.Rollouts(cfg, plan, torch.device("cpu"), [[], []], {}, lambda: [])
     arrived = [0]  # groups in the buffer when each version was announced
     try:
         for v in range(1, 7):
@@ -161,7 +161,7 @@ def test_each_engine_starts_its_share_of_the_budget_and_no_more(tiny):
             while len(fleet.buffer.groups) < arrived[-1] + 8 and time.time() < deadline:
                 fleet.check_alive()
                 time.sleep(0.05)
-            sync.push(fleet.sender, model.named_parameters(), buckets, v)
+            sync.push(fleet.sender, model.named_parameters(), plan, v)
             arrived.append(len(fleet.buffer.groups))
             sync.announce(fleet.ctl, v)
         groups = list(fleet.buffer.groups)
