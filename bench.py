@@ -142,7 +142,7 @@ import os, sys, torch
 sys.path.insert(0, {ROOT!r})
 import rollout, sync
 def raw(worker, numel):
-    worker.nanoasync["pg"].broadcast(torch.empty(numel), 0).wait()
+    worker.nanoasync["groups"][1].broadcast(torch.empty(numel), 0).wait()
 if __name__ == "__main__":
     port, cfg = int(sys.argv[1]), dict(
         model={model_dir!r}, rollout_dtype="float32", colocate=False, timeout_s=60, seed=0,

@@ -201,8 +201,8 @@ class Rollout:
         for k in positions:
             epoch, i = divmod(k, N)
             if epoch not in self.perm:  # the epoch's order, the same in every engine
-                self.perm = {epoch: random.Random(f"{self.cfg['seed']}/{epoch}").sample(range(N),
-                                                                                        N)}
+                rng = random.Random(f"{self.cfg['seed']}/{epoch}")
+                self.perm = {epoch: rng.sample(range(N), N)}
             problem, self.n_groups = self.train_set[self.perm[epoch][i]], self.n_groups + 1
             self.open(self.groups, f"g{self.n_groups}", [problem] * self.cfg["group_size"], False,
                       pos=k)
