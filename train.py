@@ -242,9 +242,8 @@ except Exception as error:  # a signal or a stall (Stopped), or an error: every 
         print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
     elif not isinstance(error, buf.Stopped):
         try:
-            if master:  # a broken connection: did a rollout process die? then the error names it
-                time.sleep(1)  # a dying process may not have exited yet
-                fleet.check_alive(False)
+            if master and isinstance(error, RuntimeError):  # a broken connection: a dead engine?
+                fleet.wait(lambda: False, sync.DEAD_S + 2)  # its exit, or its heartbeat's end
             raise error
         except Exception:
             traceback.print_exc()
