@@ -208,7 +208,8 @@ class Workers:
         conn, theirs = self.ctx.Pipe()
         proc = self.ctx.Process(target=_work_forever, args=(theirs,), daemon=True)
         proc.start()
-        return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}  # jobs: sent, ungraded
+        # jobs: sent, ungraded; since: when the call at their head reached the worker (its clock)
+        return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}
 
     @property
     def busy(self):
