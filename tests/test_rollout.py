@@ -34,8 +34,8 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
     if tool:
         hook = tool_task.install(tmp_path / "hook")
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), f"{ROOT}/tests"]))
-    cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=96,
-               max_model_len=160, batch_groups=1000, group_size=4, rollout_seqs=16,
+    cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=160,
+               max_model_len=224, batch_groups=1000, group_size=4, rollout_seqs=16,
                max_staleness=0, eval_every=1, eval_n=100, timeout_s=60, max_steps=1000,
                max_turns=4)
     model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
@@ -62,7 +62,7 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
     for g in groups:
         for c in g["completions"]:
             assert len(c["versions"]) == len(c["logprobs"]) == len(c["ids"]) == len(c["mask"])
-            assert c["versions"] == sorted(c["versions"]) and len(c["ids"]) <= 96
+            assert c["versions"] == sorted(c["versions"]) and len(c["ids"]) <= 160
             m = c["mask"]  # the tool's words: a run of 0s before each turn after the first
             assert c["turns"] <= 4 and sum(a > b for a, b in zip([1] + m, m)) == c["turns"] - 1
             turns.append(c["turns"])
