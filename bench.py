@@ -11,7 +11,8 @@ line.
   python bench.py --fill           # every engine full: slot occupancy with long answers, two
                                    # engines' shares (one node, two nodes), a load's pause
   python bench.py --engine         # the engine loop's generation tokens/s against vLLM alone, and
-                                   # where the loop's time goes (pip install py-spy); --runs=N
+                                   # where the loop's time goes (pip install py-spy); --runs=N;
+                                   # on a GPU too (--configs=tiny --profile=0 without py-spy)
   python bench.py --plot OUT_DIR   # OUT_DIR/curves.png from its metrics.jsonl (pip matplotlib);
                                    # --baseline=ACC|RUN_DIR draws a held-out accuracy too
   python bench.py --gpu            # the whole GPU path in minutes, on whatever GPUs are here
@@ -219,7 +220,8 @@ import rollout, reward
 if __name__ == "__main__":
     from vllm import SamplingParams
     cfg, G, steps = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3].split(",")
-    llm = rollout.make_llm(cfg, "cpu")
+    import torch
+    llm = rollout.make_llm(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # the loop's
     tok, train_set = llm.get_tokenizer(), reward.load_task(cfg)["train"]
     # the loop's prompt stream (rollout.Rollout.admit): the batches of the steps it was timed on
     perm = random.Random(f"{{cfg['seed']}}/0").sample(range(len(train_set)), len(train_set))
@@ -242,18 +244,41 @@ if __name__ == "__main__":
 """
 # the loop as the trainer sees it: synchronous (the trainer waits for every whole batch), lr=0 (the
 # same answers every run), vLLM alone on core 1, graded by the default 2 grader processes
+SMI = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+
+def count_gpus():
+    try:
+        return len(subprocess.run(SMI, capture_output=True, text=True).stdout.split())
+    except FileNotFoundError:
+        return 0
+
+
+GPUS = count_gpus()
+# on a CPU the engine has core 1, the trainer core 0; on one GPU they share it (colocate), on more
+# the engine has GPU 1; on a GPU with CUDA graphs, as the GPU recipes run
 ENGINE_RUN = ["--max_staleness=0", "--lr=0.0", "--eval_every=0", "--drop_flat=False",
-              "--group_size=8", "--max_new_tokens=64", "--rollout_cpus=1",
-              "--borrow_cpus=False", "--temperature=1.0"]
+              "--group_size=8", "--max_new_tokens=64", "--borrow_cpus=False", "--temperature=1.0",
+              *(["--rollout_cpus=", "--enforce_eager=False"] if GPUS else ["--rollout_cpus=1"]),
+              *(["--colocate=True", "--gpu_memory_utilization=0.3"] if GPUS == 1 else [])]
 ENGINE_SHAPE = {"tiny": (32, 8), "smollm": (16, 4)}  # groups of 8 in flight, steps
 
 
 def engine_standalone(cfg_path, G, steps, multiprocess):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=str(int(multiprocess)),
-               VLLM_LOGGING_LEVEL="ERROR", VLLM_CPU_OMP_THREADS_BIND="1", OMP_NUM_THREADS="1")
+               VLLM_LOGGING_LEVEL="ERROR")
+    if GPUS:  # the loop's engine's GPU
+        env.update(CUDA_VISIBLE_DEVICES="0" if GPUS == 1 else "1")
+    else:  # the loop's engine's core
+        env.update(VLLM_CPU_OMP_THREADS_BIND="1", OMP_NUM_THREADS="1")
     code = ENGINE_STANDALONE.format(root=ROOT)
-    out = subprocess.run(["taskset", "-c", "1", sys.executable, "-c", code, cfg_path, str(G),
-                          ",".join(map(str, steps))], env=env, capture_output=True, text=True)
+    pin = [] if GPUS else ["taskset", "-c", "1"]
+    try:
+        out = subprocess.run([*pin, sys.executable, "-c", code, cfg_path, str(G),
+                              ",".join(map(str, steps))], env=env, capture_output=True, text=True,
+                             timeout=900)
+    except subprocess.TimeoutExpired as e:
+        sys.exit(f"standalone vLLM did not finish in 900 s:\n{(e.stderr or b'')[-3000:]}")
     if out.returncode:
         sys.exit(f"standalone vLLM failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -309,9 +334,10 @@ def engine_bench():
     """The loop's generation phase as the trainer waits for it (generated tokens / t_wait_s, at
     eta=0, so it waits for every whole batch), and inside vLLM's step (rollout_tokens /
     rollout_engine_s), against LLM.generate alone on the same prompts (the batches of the same
-    steps), sampling, concurrency and core: in-process at vLLM's defaults, in-process with the
-    loop's own output settings (no detokenizing, flat logprobs), and vLLM's default engine core in
-    a process of its own. Then a py-spy profile of the loop."""
+    steps), sampling, concurrency, engine settings and core (on a GPU: its GPU, CUDA graphs on,
+    shared with the trainer on a one-GPU machine): in-process at vLLM's defaults, in-process with
+    the loop's own output settings (no detokenizing, flat logprobs), and vLLM's default engine core
+    in a process of its own. Then a py-spy profile of the loop."""
     runs, results = int(args.get("runs", 1)), {}
     for name in args.get("configs", "tiny,smollm").split(","):
         subprocess.run([sys.executable, "prepare.py", CONFIGS[name][2]], cwd=ROOT, check=True,
@@ -328,6 +354,8 @@ def engine_bench():
                              / sum(x["t_wait_s"] for x in rows[warmup:]))
             r["loop_in_step"].append((b["rollout_tokens"] - a["rollout_tokens"])
                                      / (b["rollout_engine_s"] - a["rollout_engine_s"]))
+            print(f"{name}: the loop {r['loop'][-1]:.0f} tokens/s as the trainer waits, "
+                  f"{r['loop_in_step'][-1]:.0f} inside vLLM's step", flush=True)  # if vLLM hangs
             cfg_path = os.path.join(run_dir(name, overrides), "train_config.json")
             steps = range(warmup, S)
             inproc = engine_standalone(cfg_path, G, steps, False)
@@ -543,11 +571,7 @@ def gpu_check():
     per push, peak memory per GPU (nvidia-smi, every 0.5 s). No GPU: the tiny model on CPU,
     colocated through /dev/shm and separate over gloo, to check this command itself."""
     import threading
-    try:
-        smi = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-        n_gpus = len(subprocess.run(smi, capture_output=True, text=True).stdout.split())
-    except FileNotFoundError:
-        n_gpus = 0
+    n_gpus, smi = GPUS, SMI
     smollm = n_gpus and os.path.isdir(f"{ROOT}/data/smollm2-135m")
     models = {"tiny": "config/tiny.py", **({"smollm": "config/smollm_cpu.py"} if smollm else {})}
     modes = ["colocate"] + (["separate"] if n_gpus != 1 else [])
