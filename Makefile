@@ -1,4 +1,5 @@
-# `make demo`: set up .venv (CPU) and run the CPU demo.  `make test`: set up .venv (CPU) and run the tests.
+# `make demo`: set up .venv (CPU) and run the CPU demo.  `make test`: set up .venv (CPU, and the
+# optional packages of requirements-test.txt) and run the tests.
 # `make agent`: the CPU demo with a tool (multi-turn), and the same model without the tool.
 PY := .venv/bin/python
 
@@ -13,6 +14,11 @@ PY := .venv/bin/python
 
 setup: .venv/.installed
 
+# the tests also run the optional integrations (trackers, reasoning-gym); the demo does without
+.venv/.test-installed: .venv/.installed requirements-test.txt
+	.venv/bin/pip install -r requirements-test.txt
+	touch $@
+
 demo: setup
 	$(PY) prepare.py smollm2
 	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_cpu.py
@@ -26,7 +32,7 @@ agent: setup
 		--out_dir=out/smollm_calc_no_tool
 	$(PY) bench.py --plot --baseline=out/smollm_calc_no_tool out/smollm_calc
 
-test: setup
+test: .venv/.test-installed
 	$(PY) prepare.py tiny
 	$(PY) -m pytest -q tests
 

@@ -2,6 +2,7 @@
 defaults, each keeping its type; check() validates the rest. A mistake stops the run, says why."""
 import ast
 import difflib
+import importlib.util
 import json
 import os
 import runpy
@@ -84,6 +85,10 @@ def check(cfg, world):  # what can be checked before a process starts; -> cfg, i
               f"{seqs} sequences, cannot fill {engines} engines x rollout_seqs="
               f"{cfg['rollout_seqs']}: raise batch_groups or max_staleness, or use fewer engines "
               f"or rollout_seqs={seqs // engines}", file=sys.stderr)
+    if cfg["tracker"] not in ("", "wandb", "trackio"):
+        die(f"unknown tracker {cfg['tracker']!r}: use wandb, trackio or \"\" (none)")
+    if cfg["tracker"] and importlib.util.find_spec(cfg["tracker"]) is None:
+        die(f"tracker {cfg['tracker']!r} is not installed: pip install {cfg['tracker']}")
     cfg = dict(cfg, model=resolve_model(cfg["model"]))
     conf = json.load(open(f"{cfg['model']}/config.json"))
     kind, archs = conf.get("model_type"), conf.get("architectures") or []

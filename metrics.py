@@ -1,5 +1,6 @@
 """metrics.py: rank 0's log: metrics.jsonl (a row per step and per eval), samples.jsonl (answers of
 each step, and of dropped groups while waiting) and the console. README: the keys worth watching."""
+import importlib
 import json
 import os
 import time
@@ -33,6 +34,8 @@ def reopen(path, start):  # resumed: the lines before the checkpoint stay; line-
 
 class Log:
     def __init__(self, cfg, start, ckpt):
+        self.cfg, self.run = cfg, cfg["tracker"] and importlib.import_module(cfg["tracker"]).init(
+            project="nanoasync", name=os.path.basename(os.path.abspath(cfg["out_dir"])), config=cfg)
         self.t_start = time.perf_counter() - ckpt.get("elapsed_s", 0.0)
         self.samples, self.gen_tokens = ckpt.get("samples", 0), ckpt.get("gen_tokens", 0)
         self.metrics = reopen(f"{cfg['out_dir']}/metrics.jsonl", start)
@@ -68,11 +71,12 @@ class Log:
              "dropped_stale": fleet.buffer.dropped_stale, "dropped_flat": fleet.buffer.dropped_flat,
              "prompts": sorted(g["pos"] for g in groups), **self.state(), **extra,
              **fleet.rollout_stats()}
-        print(f"step {step:4d} | reward {m['reward_mean']:.3f} | stale {m['staleness_mean']:.2f}/"
-              f"{m['staleness_max']} | {m['train_tokens_per_s']:.0f} tok/s | wait "
-              f"{m['t_wait_s']:.2f}s train {m['t_train_s']:.2f}s sync {m['t_sync_s']:.2f}s",
-              flush=True)
-        print(json.dumps(m), file=self.metrics)
+        eta = m["elapsed_s"] / (step + 1) * (self.cfg["max_steps"] - step - 1)  # at the mean pace
+        print(f"step {step:4d}/{self.cfg['max_steps']} | reward {m['reward_mean']:.3f} | stale "
+              f"{m['staleness_mean']:.2f}/{m['staleness_max']} | wait {m['t_wait_s']:.2f}s train "
+              f"{m['t_train_s']:.2f}s sync {m['t_sync_s']:.2f}s | {m['train_tokens_per_s']:.0f} "
+              "tok/s | eta " + (f"{eta / 60:.0f}m" if eta > 90 else f"{eta:.0f}s"), flush=True)
+        self.write(m)
         self.sample(groups[:2], step=step)
         self.evals(fleet.evals)
 
@@ -94,10 +98,19 @@ class Log:
             lo, hi = e["eval_versions"]  # it runs across loads: the weights its tokens came from
             print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} "
                   f"(n={e['eval_n']}, weights {lo}..{hi})", flush=True)
-            print(json.dumps({"step": e["version"], "elapsed_s": e["t"] - self.t_start, **{
-                k: e[k] for k in e if k == "version" or k.startswith("eval_")}}), file=self.metrics)
+            self.write({"step": e["version"], "elapsed_s": e["t"] - self.t_start, **{
+                k: e[k] for k in e if k == "version" or k.startswith("eval_")}})
+
+    def write(self, m):  # a metrics.jsonl row, and the tracker's (wandb and trackio: one API)
+        print(json.dumps(m), file=self.metrics)
+        if self.cfg["tracker"] == "trackio":  # it reserves "step" for its own, which may repeat
+            self.run.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
+        elif self.run:  # wandb's own step must grow: an eval shares m["step"] with a step's row
+            self.run.log(m)
 
     def close(self, evals):
         self.evals(evals)
+        if self.run:
+            self.run.finish()
         self.metrics.close()
         self.completions.close()

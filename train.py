@@ -32,6 +32,7 @@ model = "data/tiny"  # a Hugging Face model folder, or a hub id (online)
 task = "arithmetic"  # arithmetic | gsm8k | calculator (reward.py)
 data_path = ""  # gsm8k: a jsonl of {"question", "answer"} (eval_n held out), or a hub dataset id
 out_dir = "out"
+tracker = ""  # "wandb" | "trackio": the config, each metrics.jsonl row; the run is named out_dir's
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
 batch_groups = 8  # prompt groups per step, split over the trainer ranks

@@ -1,10 +1,13 @@
 """The real thing on the tiny model: torchrun, trainer ranks, one vLLM rollout process, the process
 groups between them. Also what a user sees when things go wrong: config errors before anything
 starts, a dead peer, a signal, a checkpoint and an exact resume."""
+import glob
 import json
 import math
 import os
 import signal
+import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -381,6 +384,83 @@ def test_prompts_too_long_are_skipped_and_counted(tiny, tmp_path):
     assert len(steps) == 3 and steps[-1]["skipped_long"] > 0
 
 
+def wandb_records(wandb_dir):
+    """Every record of the one offline run under WANDB_DIR, read from its .wandb file as wandb's
+    own protobufs. The file is a LevelDB log: a 7-byte header (":W&B", magic, version), then 32 KiB
+    blocks of chunks, each with a 7-byte header (crc, length, type: 1 whole, 2 first, 3 middle,
+    4 last); a block's tail shorter than a header is padding."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    [path] = glob.glob(f"{wandb_dir}/wandb/offline-run-*/run-*.wandb")
+    data, pos, chunk, records = open(path, "rb").read(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zeros: the end
+            break
+        chunk, pos = chunk + data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            records.append(Record.FromString(chunk))
+            chunk = b""
+    return records
+
+
+def wandb_run(wandb_dir):  # -> run name, config, logged rows (wandb's own _keys left out)
+    records = wandb_records(wandb_dir)
+    [run] = [r.run for r in records if r.HasField("run")]
+    items = lambda update: {k: json.loads(i.value_json) for i in update
+                            if not (k := i.key or "/".join(i.nested_key)).startswith("_")}
+    rows = [items(r.history.item) for r in records if r.HasField("history")]
+    return run.display_name, items(run.config.update), rows
+
+
+def trackio_run(trackio_dir):  # -> run name, config, logged rows, from its SQLite file
+    db = sqlite3.connect(f"{trackio_dir}/nanoasync.db")
+    [(name, config)] = db.execute("SELECT run_name, config FROM configs").fetchall()
+    rows = [{**json.loads(m), "step": step}  # trackio keeps the step in a column of its own
+            for step, m in db.execute("SELECT step, metrics FROM metrics ORDER BY id")]
+    config = {k: v for k, v in json.loads(config).items() if not k.startswith("_")}
+    return name, config, rows
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio"])
+def test_a_tracker_gets_the_config_and_every_row(tiny, tmp_path, tracker):
+    """A real tracker, offline (wandb: WANDB_MODE=offline; trackio writes locally): the run is
+    named after out_dir, has the config and, in order, every row of metrics.jsonl, steps and
+    evals, read back from the tracker's own files. The console shows progress and time left."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path),
+               TRACKIO_DIR=str(tmp_path / "trackio"))
+    steps, evals, p = train(tmp_path / "run-7", f"--tracker={tracker}", "--max_steps=3",
+                            "--eval_every=2", env=env)
+    rows = [json.loads(line) for line in open(tmp_path / "run-7/metrics.jsonl")]
+    assert len(rows) == 3 + 3 and len(evals) == 3  # evals at versions 0, 2, 3
+    name, config, logged = (wandb_run if tracker == "wandb" else trackio_run)(
+        tmp_path if tracker == "wandb" else tmp_path / "trackio")
+    assert name == "run-7" and config == json.load(open(tmp_path / "run-7/train_config.json"))
+    assert config["tracker"] == tracker and logged == rows
+    lines = [line for line in p.stdout.splitlines() if line.startswith("step ")]
+    assert [line[:12] for line in lines] == ["step    0/3 ", "step    1/3 ", "step    2/3 "]
+    assert all(" | eta " in line for line in lines) and lines[-1].endswith(" | eta 0s"), lines
+
+
+MISSING = "import sys\nsys.modules[{!r}] = None  # import fails, find_spec finds nothing\n"
+
+
+@pytest.mark.parametrize("arg, module, message", [
+    ("--tracker=wandb", "wandb", "tracker 'wandb' is not installed: pip install wandb"),
+    ("--tracker=trackio", "trackio", "tracker 'trackio' is not installed: pip install trackio"),
+])
+def test_a_missing_optional_package_is_a_one_line_error(tiny, tmp_path, arg, module, message):
+    (tmp_path / "sitecustomize.py").write_text(MISSING.format(module))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    p = subprocess.run([sys.executable, "train.py", "config/tiny.py", arg], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert [line for line in p.stderr.splitlines() if "error" in line] == [f"error: {message}"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max_stepz=3"],
      "unknown config key 'max_stepz' in --max_stepz=3; did you mean 'max_steps'?"),
@@ -396,6 +476,7 @@ def test_prompts_too_long_are_skipped_and_counted(tiny, tmp_path):
     (["--task=gsm8k"], "task 'gsm8k' needs --data_path=FILE.jsonl"),
     (["--task=gsm8k", "--data_path=data/none.jsonl"], "data_path 'data/none.jsonl' not found"),
     (["--task=poetry"], "unknown task 'poetry'"),
+    (["--tracker=mlflow"], "unknown tracker 'mlflow': use wandb, trackio or \"\" (none)"),
     (["--resume", "--out_dir=out/never-written"],
      "--resume: no checkpoint at out/never-written/ckpt.pt"),
 ])
