@@ -15,7 +15,7 @@ import sys
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def build_tiny(out_dir, tie=True, seed=0):
+def build_tiny(out_dir, tie=True, seed=0, context=512):  # context: max_position_embeddings
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -34,7 +34,7 @@ def build_tiny(out_dir, tie=True, seed=0):
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=512, tie_word_embeddings=tie,
+                         max_position_embeddings=context, tie_word_embeddings=tie,
                          eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.eos_token_id,
                          pad_token_id=hf_tok.pad_token_id, dtype="float32")
     model = Qwen2ForCausalLM(config)

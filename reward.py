@@ -1,12 +1,13 @@
 """reward.py: the tasks and the processes that run their code. A task (load_task) is its problems
 (train and eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward and optionally
 turn(text, answer) -> the tool's words after a model turn (appended; the model goes on) or None
-(final). arithmetic and gsm8k answer in one turn; calculator's word problems call a calculator.
+(final). calculator's word problems call a calculator; rg:NAME is any reasoning-gym dataset.
 Grades and tools run in worker processes beside the engine loop; one past its time limit is killed
-with its process (sympy can spin in C, where no signal reaches). Simplifications: reward 1 or 0, no
-format reward; a tool's words are plain text in the answer (no tool role); a failed call ends it."""
+with its process (sympy can spin in C, where no signal reaches). Simplifications: reward 1 or 0
+(rg: its scorer's); no format reward; a tool's words are plain text; a failed call ends it."""
 import ast
 import ctypes
+import functools
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -126,6 +127,35 @@ def grade_calculator(text, answer):  # the number the model states after the las
     return grade_number(text.rpartition("</result>")[2], answer)
 
 
+def reasoning_gym(name, seed, n_eval, n=5000):
+    """It makes problem k from seed + k: train, held-out and the worked example (without one a small
+    model ignores the system prompt's <answer> tags) take disjoint seeds."""
+    try:
+        import reasoning_gym as rg
+    except ImportError:
+        raise ValueError(f"task 'rg:{name}' needs reasoning-gym: pip install reasoning-gym==0.1.25")
+    make = lambda first, size: list(rg.create_dataset(name, seed=first, size=size))
+    [shot], test = make(seed - 1, 1), make(seed + n, n_eval)
+    held = {e["question"] for e in test}  # a small problem space repeats questions
+    ask = [{"role": "system", "content": rg.utils.SYSTEM_PROMPTS["default"]},
+           {"role": "user", "content": shot["question"]},
+           {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"}]
+    return [[{"id": i, "prompt": ask + [{"role": "user", "content": e["question"]}], "answer": e}
+             for i, e in enumerate(rows)]
+            for rows in ([e for e in make(seed, n) if e["question"] not in held], test)]
+
+
+@functools.cache
+def rg_scorer(name):  # its dataset object, made once per grader process
+    import reasoning_gym
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def grade_rg(name, text, entry):  # the dataset's own scorer, on what the last <answer> tags hold
+    from reasoning_gym.utils import extract_answer
+    return rg_scorer(name)(extract_answer(text), entry)
+
+
 def load_task(cfg):
     """-> {"train", "eval": problems, "grade": fn, "turn": fn or None, "stop": str or None}; stop:
     the text that ends a model turn calling the tool (vLLM stops there, then turn runs)."""
@@ -138,8 +168,11 @@ def load_task(cfg):
         tool = cfg["max_turns"] > 1
         (train, test), grade = calculator(cfg["seed"], cfg["eval_n"], tool), grade_calculator
         turn, stop = (calculator_turn, CALL[1]) if tool else (None, None)
+    elif cfg["task"].startswith("rg:"):  # a problem's answer: its reasoning-gym entry, for grade_rg
+        train, test = reasoning_gym(cfg["task"][3:], cfg["seed"], cfg["eval_n"])
+        grade = functools.partial(grade_rg, cfg["task"][3:])
     else:
-        raise ValueError(f"unknown task {cfg['task']!r}: use arithmetic, gsm8k or calculator")
+        raise ValueError(f"unknown task {cfg['task']!r}: use arithmetic, gsm8k, calculator, rg:X")
     return {"train": train, "eval": test, "grade": grade, "turn": turn, "stop": stop}
 
 

@@ -29,7 +29,7 @@ import sync
 # -------------------------------------------------------------------------------------------------
 # default config: config/*.py files, then --key=value, override these (configurator.py)
 model = "data/tiny"  # a Hugging Face model folder, or a hub id (online)
-task = "arithmetic"  # arithmetic | gsm8k | calculator (reward.py)
+task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME, a reasoning-gym dataset; reward.py
 data_path = ""  # gsm8k: a jsonl of {"question", "answer"} (eval_n held out), or a hub dataset id
 out_dir = "out"
 tracker = ""  # "wandb" | "trackio": the config, each metrics.jsonl row; the run is named out_dir's

@@ -445,12 +445,32 @@ def test_a_tracker_gets_the_config_and_every_row(tiny, tmp_path, tracker):
     assert all(" | eta " in line for line in lines) and lines[-1].endswith(" | eta 0s"), lines
 
 
+def test_a_reasoning_gym_task_trains_end_to_end(tmp_path):
+    """rg:chain_sum on a tiny model with room for its prompts (the system prompt and the worked
+    example take ~530 of its byte-level tokens): train problems, grades by the dataset's scorer in
+    the grader processes, held-out evals."""
+    import prepare
+    model = prepare.build_tiny(str(tmp_path / "model"), context=1024)
+    steps, evals, _ = train(tmp_path / "run", "--task=rg:chain_sum", f"--model={model}",
+                            "--max_model_len=768", "--max_steps=3", "--eval_every=3")
+    assert [m["version"] for m in steps] == [1, 2, 3] and [e["version"] for e in evals] == [0, 3]
+    assert steps[-1]["reward_failed"] == 0 and steps[-1]["skipped_long"] == 0
+    assert all(e["eval_n"] == 20 for e in evals)
+    samples = [json.loads(line) for line in open(tmp_path / "run/samples.jsonl")]
+    assert len(samples) == 3 * 4 and all(0 <= s["reward"] <= 1 for s in samples)
+    asked = samples[0]["prompt"]
+    assert [m["role"] for m in asked] == ["system", "user", "assistant", "user"]
+    assert asked[-1]["content"].startswith("State the final answer to the following arithmetic")
+
+
 MISSING = "import sys\nsys.modules[{!r}] = None  # import fails, find_spec finds nothing\n"
 
 
 @pytest.mark.parametrize("arg, module, message", [
     ("--tracker=wandb", "wandb", "tracker 'wandb' is not installed: pip install wandb"),
     ("--tracker=trackio", "trackio", "tracker 'trackio' is not installed: pip install trackio"),
+    ("--task=rg:chain_sum", "reasoning_gym",
+     "task 'rg:chain_sum' needs reasoning-gym: pip install reasoning-gym==0.1.25"),
 ])
 def test_a_missing_optional_package_is_a_one_line_error(tiny, tmp_path, arg, module, message):
     (tmp_path / "sitecustomize.py").write_text(MISSING.format(module))
@@ -476,6 +496,7 @@ def test_a_missing_optional_package_is_a_one_line_error(tiny, tmp_path, arg, mod
     (["--task=gsm8k"], "task 'gsm8k' needs --data_path=FILE.jsonl"),
     (["--task=gsm8k", "--data_path=data/none.jsonl"], "data_path 'data/none.jsonl' not found"),
     (["--task=poetry"], "unknown task 'poetry'"),
+    (["--task=rg:poetry"], "Dataset 'poetry' not registered"),
     (["--tracker=mlflow"], "unknown tracker 'mlflow': use wandb, trackio or \"\" (none)"),
     (["--resume", "--out_dir=out/never-written"],
      "--resume: no checkpoint at out/never-written/ckpt.pt"),

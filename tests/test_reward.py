@@ -160,3 +160,37 @@ def test_the_calculator_task():
     # the grade reads what the model says after the last result, not the result itself
     assert task["grade"]("<calc>2 * 3</calc><result>6</result> The answer is 6.", "6") == 1.0
     assert task["grade"]("<calc>2 * 3</calc><result>6</result>", "6") == 0.0
+
+
+@pytest.mark.parametrize("name", ["chain_sum", "letter_counting"])
+def test_a_reasoning_gym_task_is_graded_by_its_own_scorer(name):
+    """Train and held-out problems from disjoint seeds, the same from the same seed; the prompt
+    asks for <answer> tags and shows them once; the dataset's scorer reads the last tags, in the
+    graders' processes too (the grade and the entry travel by pickle)."""
+    import reasoning_gym
+    cfg = {"task": f"rg:{name}", "seed": 0, "eval_n": 50, "max_turns": 1}
+    task = reward.load_task(cfg)
+    train, test = task["train"], task["eval"]
+    assert len(test) == 50 and len(train) > 4000 and task["turn"] is None
+    question = lambda p: p["prompt"][-1]["content"]
+    assert not {question(p) for p in train} & {question(p) for p in test}
+    assert test == reward.load_task(cfg)["eval"]  # reproducible from the seed
+    assert test != reward.load_task(dict(cfg, seed=1))["eval"]
+    p = test[0]
+    assert [m["role"] for m in p["prompt"]] == ["system", "user", "assistant", "user"]
+    assert "<answer>" in p["prompt"][0]["content"]  # the system prompt asks, the example shows
+    shot = reasoning_gym.create_dataset(name, seed=-1, size=1)[0]  # seed 0 - 1: its own
+    shown = f"<answer>{shot['answer']}</answer>"
+    assert p["prompt"][1:3] == [{"role": "user", "content": shot["question"]},
+                                {"role": "assistant", "content": shown}]
+    assert p["answer"] == reasoning_gym.create_dataset(name, seed=5000, size=1)[0]  # seed 0 + 5000
+    right = p["answer"]["answer"]
+    wrong = str(int(right) + 1)  # both tasks answer with an integer
+    assert task["grade"](f"Adding them up... <answer>{right}</answer>", p["answer"]) == 1.0
+    assert task["grade"](f"<answer>{right}</answer> no, <answer>{wrong}</answer>", p["answer"]) == 0
+    assert task["grade"](right, p["answer"]) == 0.0  # not in the format the prompt asks for
+    graders = reward.Workers(workers=1, timeout_s=30.0)  # the first grade imports reasoning-gym
+    got = grade_all(graders, [f"<answer>{right}</answer>", f"<answer>{wrong}</answer>"],
+                    answer=p["answer"], fn=task["grade"])
+    graders.close()
+    assert got == [(1.0, False), (0.0, False)]
