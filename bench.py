@@ -718,8 +718,8 @@ def plot(run_dir, baseline=None):
         # an eval row has no sample count: take its version's step row's (0 before the first step)
         ex = [e.get(x, at.get(e["version"], {}).get(x, 0)) for e in evals]
         a.plot(ex, [e["eval_accuracy"] for e in evals], "o-", label="held-out accuracy (greedy)")
-        if any(r.get("tool_calls_mean") for r in steps):
-            a.plot([r[x] for r in steps], [r["tool_calls_mean"] for r in steps], "--",
+        if any(r.get("turns_mean", 1) > 1 for r in steps):
+            a.plot([r[x] for r in steps], [r["turns_mean"] - 1 for r in steps], "--",
                    label="tool calls per answer")
         if baseline is not None:
             a.axhline(float(baseline), color="gray", linestyle=":", label="held-out, no tool")
@@ -766,8 +766,7 @@ if __name__ == "__main__":
         results[name] = {"overlap_speedup": per_sample(sync_rows) / per_sample(async_rows),
                          "overlap_bound": (t_gen + t_train) / max(t_gen, t_train),
                          "t_gen_s": t_gen, "t_train_s": t_train,
-                         "turns_mean": mean([r["turns_mean"] for r in steady]),
-                         "tool_calls_mean": mean([r["tool_calls_mean"] for r in steady])}
+                         "turns_mean": mean([r["turns_mean"] for r in steady])}
         if "--overlap" in sys.argv:
             continue
         in_loop = last["rollout_tokens"] / (last["rollout_engine_s"] + last["rollout_load_s"])

@@ -20,7 +20,6 @@ def token_sums(loss, bounded, logp, behav, mask, fresh):
     return torch.stack([x.float().sum() for x in parts])
 
 
-
 def ratio(a, b):
     return a / b if b else None  # None: no such tokens this step
 
@@ -63,10 +62,8 @@ class Log:
                                              s["fresh"] - s["whole"]),
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
              "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
-             # multi-turn: model turns and tool calls per completion, the tools' share of tokens
-             "turns_mean": mean([c["turns"] for c in comps]),
-             "tool_calls_mean": mean([c["turns"] - 1 for c in comps]),  # each after a tool's words
-             "env_token_frac": 1 - mean([t for c in comps for t in c["mask"]]),
+             "turns_mean": mean([c["turns"] for c in comps]),  # model turns: tool calls + 1
+             "env_token_frac": 1 - mean([t for c in comps for t in c["mask"]]),  # the tools' share
              "train_tokens_per_s": (s["fresh"] + s["stale"]) / extra["t_train_s"],
              "dropped_stale": fleet.buffer.dropped_stale, "dropped_flat": fleet.buffer.dropped_flat,
              "prompts": sorted(g["pos"] for g in groups), **self.state(), **extra,

@@ -128,8 +128,8 @@ def test_a_task_with_a_tool_trains_on_the_models_tokens_across_turns(tiny, tmp_p
                         "--reward_timeout_s=2", env=env)
     for m in steps:
         assert m["logprob_mismatch"] < 1e-4 and m["staleness_max"] == 0, m
-        assert 1 <= m["turns_mean"] <= 3 and m["tool_calls_mean"] == m["turns_mean"] - 1, m
-    assert max(m["tool_calls_mean"] for m in steps) > 0.2, steps
+        assert 1 <= m["turns_mean"] <= 3, m
+    assert max(m["turns_mean"] for m in steps) > 1.2, steps  # 0.2 tool calls per answer
     assert 0 < max(m["env_token_frac"] for m in steps) < 0.5 and steps[-1]["tool_failures"] > 0
     dialogues = [json.loads(line)["completion"] for line in open(tmp_path / "run/samples.jsonl")]
     assert any(" = " in d for d in dialogues)  # samples.jsonl shows the tool's words too
@@ -160,7 +160,7 @@ def test_synchronous_run_is_on_policy(sync_run):
         # trainer's logprobs still equal vLLM's (fp32), so the sync and the sampled-distribution
         # logprobs are both right
         assert m["logprob_mismatch"] < 1e-4
-        assert m["turns_mean"] == 1 and m["tool_calls_mean"] == m["env_token_frac"] == 0
+        assert m["turns_mean"] == 1 and m["env_token_frac"] == 0
         # vLLM generated this whole batch and said it waits for the weights being trained:
         # its core was lent
         assert m["borrowed_frac"] == 1.0
