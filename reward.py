@@ -214,10 +214,14 @@ def is_flat(group):  # every completion got the same reward: no signal for GRPO
     return len({c["reward"] for c in group["completions"]}) == 1
 
 
-def _work_forever(conn):  # one worker process: [(fn, text, answer)] in, (result, failed) out
-    for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the group: the engine ends us
+def die_with_parent():  # a rollout or grader process: its parent, not a signal, ends it
+    for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the whole process group
         signal.signal(sig, signal.SIG_IGN)
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent
+
+
+def _work_forever(conn):  # one worker process: [(fn, text, answer)] in, (result, failed) out
+    die_with_parent()  # the engine ends us
     while True:
         try:
             jobs = conn.recv()

@@ -7,12 +7,10 @@ never trained), up to max_turns. Engine 0 runs the evals too. Simplifications: t
 in this process (on a GPU vLLM's async scheduling keeps the device busy meanwhile); a group is n=1
 requests sharing their prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated
 distribution); no speculative decoding."""
-import ctypes
 import json
 import os
 import queue
 import random
-import signal
 import sys
 import threading
 import time
@@ -317,9 +315,7 @@ class Rollout:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun signals rank 0's group; rank 0 stops us
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with trainer rank 0
+    reward.die_with_parent()  # trainer rank 0: it stops us at its step boundary, or dies
     config = json.loads(sys.argv[1])
     if config["rollout_cpus"]:  # see place()
         os.sched_setaffinity(0, cpus(config["rollout_cpus"]))
