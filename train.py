@@ -70,9 +70,8 @@ ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, on 
 resume = False  # continue exactly from {out_dir}/ckpt.pt
 # -------------------------------------------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
-for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": "29500"}.items():
+for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
     os.environ.setdefault(k, v)  # plain `python train.py`: one rank
 rank, world, local_rank, local_world, node, nodes = (int(os.environ[k]) for k in (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
@@ -252,5 +251,4 @@ except Exception as error:  # a signal or a stall (Stopped), or an error: every 
     sys.stdout.flush(), sys.stderr.flush()
     # not sys.exit: tearing down groups whose threads wait on a peer aborts, or hangs (NCCL)
     os._exit(128 + stop_signal[0] if isinstance(error, buf.Stopped) and stop_signal else 1)
-buf.kill(fleet.procs if master else engines)
-dist.destroy_process_group()
+dist.destroy_process_group()  # every engine has exited: fleet.stop() or p.wait() above
