@@ -120,9 +120,8 @@ class Rollout:
                      **{"detokenize": False, **ends})
         self.params = lambda greedy, room: SamplingParams(
             temperature=0.0 if greedy else cfg["temperature"], max_tokens=room, **quiet)
-        self.groups, self.perm, self.inbox = {}, {}, queue.Queue()
+        self.groups, self.perm, self.inbox = {}, {}, queue.Queue()  # by id: g{n}; evals: eval{v}
         self.starts = {}  # request id -> [(version, index of the first token it computed)]
-        self.evals = {}  # engine 0's evals in progress, by version: groups of their own
         self.pending, self.n_groups, self.live, self.running = None, 0, 0, 0
         self.budget = Budget(self.store, cfg, e, self.v0)
         self.idle = ""  # borrow_cpus: our mark in the store (mark_idle)
@@ -179,11 +178,11 @@ class Rollout:
             self.start_eval()
 
     def start_eval(self):  # a group of its own, beside the training groups, across loads
-        self.open(self.evals, f"eval{self.version}", self.eval_set, True, version=self.version)
+        self.open(f"eval{self.version}", self.eval_set, True, version=self.version)
 
-    def open(self, where, gid, problems, greedy, **group):  # a request per problem, to grade all
-        where[gid] = {"problems": problems, "comps": [completion() for _ in problems],
-                      "left": len(problems), **group}
+    def open(self, gid, problems, greedy, **group):  # a request per problem, to grade all
+        self.groups[gid] = {"problems": problems, "comps": [completion() for _ in problems],
+                            "left": len(problems), **group}
         params = self.params(greedy, self.cfg["max_new_tokens"])
         for j, p in enumerate(problems):
             self.add(f"{gid}/{j}/0", p["ids"], params)
@@ -202,8 +201,7 @@ class Rollout:
                 rng = random.Random(f"{self.cfg['seed']}/{epoch}")
                 self.perm = {epoch: rng.sample(range(N), N)}
             problem, self.n_groups = self.train_set[self.perm[epoch][i]], self.n_groups + 1
-            self.open(self.groups, f"g{self.n_groups}", [problem] * self.cfg["group_size"], False,
-                      pos=k)
+            self.open(f"g{self.n_groups}", [problem] * self.cfg["group_size"], False, pos=k)
             self.live += self.cfg["group_size"]  # sequences generating, or in a tool call
 
     def step(self):
@@ -212,7 +210,7 @@ class Rollout:
         self.counters["rollout_running"] += self.running / self.cfg["rollout_seqs"]
         for out in self.engine.step():  # finished requests only
             o, rid, (gid, i, _) = out.outputs[0], out.request_id, out.request_id.split("/")
-            c, n = self.group(gid)["comps"][int(i)], len(o.token_ids)
+            c, n = self.groups[gid]["comps"][int(i)], len(o.token_ids)
             extend(c, o.token_ids, o.logprobs.logprobs, tag(self.starts.pop(rid), n), 1)
             c["text"] += o.text or self.tok.decode(o.token_ids, skip_special_tokens=True)
             c["turns"], c["cut"] = c["turns"] + 1, o.finish_reason == "length"
@@ -223,21 +221,18 @@ class Rollout:
                 self.submit(gid, int(i), "turn")
 
     def submit(self, gid, i, fn):
-        g = self.group(gid)
+        g = self.groups[gid]
         self.workers.submit((gid, i, fn), self.task[fn], g["comps"][i]["text"],
                             g["problems"][i]["answer"])
 
     def grade(self, gid, i):  # the answer is final: its slot is free
-        self.live -= gid in self.groups
+        self.live -= not gid.startswith("eval")
         self.submit(gid, i, "grade")
-
-    def group(self, gid):
-        return self.groups.get(gid) or self.evals[gid]
 
     def grades(self):
         """The workers' results: a tool's words go on; a group all graded goes to the trainer."""
         for (gid, i, fn), result, failed in self.workers.poll():
-            g = self.group(gid)
+            g = self.groups[gid]
             if fn == "turn":  # the tool's words; None: the answer is final; a failure ends it
                 self.counters["tool_failures"] += failed
                 if not (isinstance(result, str) and self.go_on(gid, i, result)):
@@ -248,12 +243,12 @@ class Rollout:
             g["comps"][i]["reward"] = result if ok else 0.0
             g["left"] -= 1
             if not g["left"]:
-                self.send(self.groups.pop(gid, None) or self.evals.pop(gid))
+                self.send(self.groups.pop(gid))
 
     def go_on(self, gid, i, words):
         """The tool's tokens, then the next turn: a new request over the whole dialogue (prefix
         caching keeps it cheap). -> False if the words leave no room for it (the answer is cut)."""
-        g, env = self.group(gid), self.tok.encode(words, add_special_tokens=False)
+        g, env = self.groups[gid], self.tok.encode(words, add_special_tokens=False)
         c = g["comps"][i]
         room = self.cfg["max_new_tokens"] - len(c["ids"]) - len(env)
         if room <= 0:
@@ -283,7 +278,7 @@ class Rollout:
         self.post(msg)
 
     def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait on, with nothing to do
-        busy = self.groups or self.evals or self.pending is not None  # admit() ran just before
+        busy = self.groups or self.pending is not None  # admit() ran just before
         if (mark := "" if busy else str(self.version)) != self.idle:
             self.store.set(f"idle{self.e}", mark)
             self.idle = mark
@@ -294,7 +289,7 @@ class Rollout:
                 self.messages()
             self.load()
         # the run's first eval, unless the resumed version's load() already started it
-        if self.e == 0 and self.cfg["eval_every"] > 0 and not self.evals:
+        if self.e == 0 and self.cfg["eval_every"] > 0 and f"eval{self.version}" not in self.groups:
             self.start_eval()
         while self.messages():
             if os.getppid() != self.parent:
