@@ -9,8 +9,7 @@ import ast
 import ctypes
 import functools
 import json
-import multiprocessing
-import multiprocessing.connection
+import multiprocessing.connection  # binds multiprocessing too
 import operator
 import os
 import random
@@ -157,8 +156,7 @@ def grade_rg(name, text, entry):  # the dataset's own scorer, on what the last <
 
 
 def load_task(cfg):
-    """-> {"train", "eval": problems, "grade": fn, "turn": fn or None, "stop": str or None}; stop:
-    the text that ends a model turn calling the tool (vLLM stops there, then turn runs)."""
+    """stop: the text that ends a model turn calling the tool (vLLM stops there, then turn runs)."""
     turn = stop = None
     if cfg["task"] == "arithmetic":
         (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
