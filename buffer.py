@@ -195,15 +195,12 @@ class Rollouts:
 
     def receive(self, traj):  # one engine's messages, until it says bye
         try:
-            while True:
-                msg = sync.recv_obj(traj, 1)
+            while (msg := sync.recv_obj(traj, 1))["kind"] != "bye":
                 self.stats[msg["engine"]] = {k: msg[k] for k in rollout.COUNTERS}
                 if msg["kind"] == "group":
                     self.buffer.put(msg)
                 elif msg["kind"] == "eval":
                     self.evals.append(dict(msg, t=time.perf_counter()))  # when it finished
-                elif msg["kind"] == "bye":
-                    return
         except Exception as e:
             self.buffer.put(RuntimeError(f"lost a rollout process: {e}"))
 
