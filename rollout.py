@@ -73,9 +73,7 @@ def tag(starts, n):  # n tokens' versions, from starts [(version, the first toke
     return [next(v for v, i in reversed(starts) if i <= t) for t in range(n)]
 
 
-class Rollout:
-    """One engine's loop and its state between two engine steps."""
-
+class Rollout:  # one engine's loop and its state between two engine steps
     def __init__(self, cfg, e):
         import torch
         from vllm import SamplingParams
@@ -204,8 +202,7 @@ class Rollout:
             self.open(f"g{self.n_groups}", [problem] * self.cfg["group_size"], False, pos=k)
             self.live += self.cfg["group_size"]  # sequences generating, or in a tool call
 
-    def step(self):
-        """One engine step; each turn it finished goes to the task's turn or grade (workers)."""
+    def step(self):  # one engine step; each turn it finished goes to the task's turn or grade
         self.counters["rollout_steps"] += 1
         self.counters["rollout_running"] += self.running / self.cfg["rollout_seqs"]
         for out in self.engine.step():  # finished requests only
@@ -229,8 +226,7 @@ class Rollout:
         self.live -= not gid.startswith("eval")
         self.submit(gid, i, "grade")
 
-    def grades(self):
-        """The workers' results: a tool's words go on; a group all graded goes to the trainer."""
+    def grades(self):  # the workers' results: a tool's words go on; graded groups go to the trainer
         for (gid, i, fn), result, failed in self.workers.poll():
             g = self.groups[gid]
             if fn == "turn":  # the tool's words; None: the answer is final; a failure ends it
