@@ -240,6 +240,7 @@ except Exception as error:  # a signal or a stall (Stopped), or an error: every 
     if isinstance(error, buf.Stopped) and master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
         print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
+        log.close(fleet.evals)  # the evals that came, and a tracker's run ends as finished
     elif not isinstance(error, buf.Stopped):
         try:
             if master and isinstance(error, RuntimeError):  # a broken connection: a dead engine?
