@@ -1,19 +1,20 @@
 # SmolLM2-135M-Instruct (offline, `python prepare.py smollm2`) on a reasoning-gym task on 2 cores
-# (`pip install reasoning-gym==0.1.25`): how often does a letter appear in a line of text. Held-out
-# accuracy at the start (greedy, these 200 problems): 0.28, mostly by answering 1 (the answer to
-# 35% of them); more takes counting. Answers are a few tokens; a prompt is ~180.
+# (`pip install reasoning-gym==0.1.25`): does a conclusion follow from two statements (Yes or No).
+# Held-out accuracy (greedy, these 200 problems): 0.33 at the start, 0.665 by version 4 (~3.5 min of
+# training, one run). 133 of the 200 answers are Yes, so 0.665 is what answering Yes scores: a model
+# this small learns the answer's prior first (results log: the other tasks tried, what each did).
 model = "data/smollm2-135m"
-task = "rg:letter_counting"
+task = "rg:syllogism"
 out_dir = "out/smollm_rg"
-max_steps = 20
+max_steps = 12
 batch_groups = 8
 group_size = 8
 max_new_tokens = 64
-temperature = 0.7
+temperature = 1.0  # short answers: at 0.7 most groups are flat
 lr = 2e-5
 max_staleness = 1
-drop_flat = True
-eval_every = 5
+drop_flat = False  # once it answers Yes, nearly every group is flat: dropping them starves the run
+eval_every = 4
 eval_n = 200  # a binomial standard error of ~0.03 at these accuracies
 rollout_seqs = 128
 rollout_dtype = "float32"  # see smollm_cpu.py
