@@ -183,7 +183,7 @@ class Rollouts:
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
                 raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
-                                   f"{p.returncode}; its error is printed above")
+                                   f"{p.returncode}; its output, if any, is above")
         now = time.monotonic()
         for e, beat in enumerate(self.store.multi_get([f"beat{e}" for e in self.beats])):
             if beat != self.beats[e][0]:
