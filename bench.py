@@ -242,8 +242,6 @@ if __name__ == "__main__":
         out[name] = n / (time.perf_counter() - t)
     print(json.dumps(out))
 """
-# the loop as the trainer sees it: synchronous (the trainer waits for every whole batch), lr=0 (the
-# same answers every run), vLLM alone on core 1, graded by the default 2 grader processes
 SMI = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
 
 
@@ -255,8 +253,10 @@ def count_gpus():
 
 
 GPUS = count_gpus()
-# on a CPU the engine has core 1, the trainer core 0; on one GPU they share it (colocate), on more
-# the engine has GPU 1; on a GPU with CUDA graphs, as the GPU recipes run
+# the loop as the trainer sees it: synchronous (the trainer waits for every whole batch), lr=0 (the
+# same answers every run), graded by the default 2 grader processes; vLLM alone on core 1 (the
+# trainer on core 0), or on a GPU with CUDA graphs as the GPU recipes run: GPU 1, or the trainer's
+# GPU shared (colocate) on a one-GPU machine
 ENGINE_RUN = ["--max_staleness=0", "--lr=0.0", "--eval_every=0", "--drop_flat=False",
               "--group_size=8", "--max_new_tokens=64", "--borrow_cpus=False", "--temperature=1.0",
               *(["--rollout_cpus=", "--enforce_eager=False"] if GPUS else ["--rollout_cpus=1"]),
@@ -278,7 +278,7 @@ def engine_standalone(cfg_path, G, steps, multiprocess):
                               ",".join(map(str, steps))], env=env, capture_output=True, text=True,
                              timeout=900)
     except subprocess.TimeoutExpired as e:
-        sys.exit(f"standalone vLLM did not finish in 900 s:\n{(e.stderr or b'')[-3000:]}")
+        sys.exit(f"standalone vLLM did not finish in 900 s:\n{(e.stderr or '')[-3000:]}")
     if out.returncode:
         sys.exit(f"standalone vLLM failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
