@@ -106,7 +106,7 @@ import rollout, reward
 if __name__ == "__main__":
     from vllm import SamplingParams
     cfg = json.load(open(sys.argv[1]))
-    llm = rollout.make_llm(cfg, "cpu", max_num_seqs=cfg["rollout_seqs"])
+    llm = rollout.make_llm(cfg, "cpu", e=1)  # rollout_seqs, without engine 0's room for evals
     tok = llm.get_tokenizer()
     train_set = reward.load_task(cfg)["train"]
     prompts = [{{"prompt_token_ids": rollout.format_prompt(tok, p["prompt"])}}
