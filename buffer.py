@@ -28,9 +28,7 @@ class Buffer:
     def __init__(self, max_staleness, drop_flat, on_discard=lambda group: None, stall_s=0):
         self.max_staleness, self.drop_flat, self.on_discard = max_staleness, drop_flat, on_discard
         self.stall_s = stall_s  # > 0: waiting this long with nothing usable stops the run
-        self.groups, self.cond = [], threading.Condition()
-        self.dropped_stale = self.dropped_flat = 0
-        self.stalled_s, self.since, self.news = 0.0, [], []  # since the last usable group
+        self.groups, self.cond, self.dropped = [], threading.Condition(), {"stale": 0, "flat": 0}
 
     def put(self, group):  # a group, or the exception that ended its producer (get() raises it)
         with self.cond:
@@ -38,63 +36,54 @@ class Buffer:
             self.cond.notify()
 
     def get(self, version, n_groups, check_alive=lambda: None, report=lambda text, groups: None):
-        """-> (n_groups usable groups, all taken out, seconds waited); check_alive() each second."""
+        """-> (n_groups usable groups, all taken out, seconds waited); check_alive() each second,
+        report() each min(60, stall_s / 3) s waited, with the groups dropped since a usable one."""
         check_alive()
-        batch, seen, waited, told = [], [], 0.0, 0.0
+        batch, seen, dropped, reported = [], [], [], 0  # reported: dropped groups reported
+        start = told = usable = time.perf_counter()  # usable: when the last usable group came
         while len(batch) < n_groups:
             with self.cond:
-                t0 = time.perf_counter()
                 while not self.groups:
                     self.cond.wait(timeout=1.0)
-                    t = time.perf_counter() - t0
                     check_alive()
-                    if waited + t - told > min(60, self.stall_s / 3 or 60):
-                        report(f"waiting {waited + t:.0f} s for batch {version} ({len(batch)}/"
-                               f"{n_groups} groups), {describe(self.since)}", self.news)
-                        self.news, told = [], waited + t
-                    if self.stall_s and self.stalled_s + t > self.stall_s:
+                    if (now := time.perf_counter()) - told > min(60, self.stall_s / 3 or 60):
+                        report(f"waiting {now - start:.0f} s for batch {version} ({len(batch)}/"
+                               f"{n_groups} groups), {describe(dropped)}", dropped[reported:])
+                        told, reported = now, len(dropped)
+                    if self.stall_s and now - usable > self.stall_s:
                         raise Stopped(f"nothing usable came in stall_s={self.stall_s} s "
-                                      f"({describe(self.since)}); try an easier task or a "
+                                      f"({describe(dropped)}); try an easier task or a "
                                       "stronger model, --drop_flat=False, or check that the "
                                       "grader reads the answers in samples.jsonl")
-                t = time.perf_counter() - t0
-                waited, self.stalled_s = waited + t, self.stalled_s + t
                 if isinstance(g := self.groups.pop(0), Exception):
                     raise g
                 seen.append(g)
-            if version - g["version_min"] > self.max_staleness:
-                self.dropped_stale += 1
-                if not (self.drop_flat and is_flat(g)):  # a flat one's engine replaced it already
-                    self.on_discard(g)
-                self.drop(g, "stale")
-            elif self.drop_flat and is_flat(g):
-                self.dropped_flat += 1
-                self.drop(g, "flat")
+            flat = self.drop_flat and is_flat(g)
+            why = "stale" if version - g["version_min"] > self.max_staleness else flat and "flat"
+            if why == "stale" and not flat:  # a flat one's engine replaced it already
+                self.on_discard(g)
+            if why:
+                self.dropped[why] += 1
+                dropped.append(dict(g, dropped=why))
             else:
                 batch.append(g)
-                self.stalled_s, self.since = 0.0, []
-        return batch, seen, waited
-
-    def drop(self, group, why):
-        self.since.append((why, group["completions"][0]["reward"]))
-        self.news.append(dict(group, dropped=why))
+                dropped, reported, usable = [], 0, time.perf_counter()
+        return batch, seen, time.perf_counter() - start
 
 
-def describe(drops):  # [(why, first reward)] -> "3 groups dropped ...: 2 flat at reward 0, 1 stale"
-    kinds = Counter(f"{why} at reward {r:g}" if why == "flat" else why for why, r in drops)
-    return (f"{len(drops)} groups dropped since the last usable one" + ": " * bool(drops)
+def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 stale"
+    kinds = Counter(f"flat at reward {g['completions'][0]['reward']:g}" if g["dropped"] == "flat"
+                    else g["dropped"] for g in dropped)
+    return (f"{len(dropped)} groups dropped since the last usable one" + ": " * bool(dropped)
             + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
 
 
-def worth_a_forward(groups, world_size):
-    """Skip flat groups (no gradient) but as filler: FSDP needs as many forwards on every rank."""
+def deal(groups, world_size):
+    """-> the groups of each rank r: r, r + W, r + 2W, ... Flat ones (no gradient) only as filler:
+    FSDP needs as many forwards on every rank."""
     live, flat = [g for g in groups if not is_flat(g)], [g for g in groups if is_flat(g)]
-    n = max(1, -(-len(live) // world_size)) * world_size
-    return live + flat[:n - len(live)]
-
-
-def split(groups, world_size):  # rank r gets groups r, r + W, r + 2W, ... (a multiple of W)
-    return [groups[r::world_size] for r in range(world_size)]
+    n = max(1, -(-len(live) // world_size)) * world_size  # groups to run, a multiple of W
+    return [(live + flat[:n - len(live)])[r::world_size] for r in range(world_size)]
 
 
 def place(cfg, world, local_world, device, leader):
@@ -169,7 +158,7 @@ class Rollouts:
         # a stale group's ticket back to its engine (budget.py): it may start a replacement
         discard = lambda g: self.store.add(f"discarded{g['engine']}", 1)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
-        self.buffer.dropped_stale, self.buffer.dropped_flat = ckpt.get("dropped", [0, 0])
+        self.buffer.dropped = dict(zip(("stale", "flat"), ckpt.get("dropped", [0, 0])))
         self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
                           for t in trajs]
         for r in self.receivers:
@@ -213,7 +202,7 @@ class Rollouts:
             self.done.remove(self.next)
             self.next += 1
         return {"next": self.next, "done": sorted(self.done),
-                "dropped": [self.buffer.dropped_stale, self.buffer.dropped_flat]}
+                "dropped": [self.buffer.dropped["stale"], self.buffer.dropped["flat"]]}
 
     def rollout_stats(self):  # the engines' counters, summed; since the last call, the mean share
         # of each engine's slots vLLM ran (over its steps); their last loads' pause, the mean

@@ -75,12 +75,12 @@ def plan_chunks(lengths, max_pad=1.1, n_chunks=0):
     return chunks
 
 
-def padded(rows, device, left=False, width=1):  # -> ids, mask [len(rows), longest or width]
-    ids = torch.zeros(len(rows), max(width, *map(len, rows)), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
+def padded(rows, device, left=False, width=1, dtype=torch.long):  # -> rows, mask [len, longest]
+    ids = torch.zeros(len(rows), max(width, *map(len, rows)), dtype=dtype)
+    mask = torch.zeros_like(ids, dtype=torch.long)
+    for i, r in enumerate(rows):  # a list, or an engine's array (rollout.TOKENS)
         span = slice(ids.shape[1] - len(r), None) if left else slice(0, len(r))
-        ids[i, span], mask[i, span] = torch.tensor(r, dtype=torch.long), 1
+        ids[i, span], mask[i, span] = torch.as_tensor(r), 1
     return ids.to(device), mask.to(device)
 
 

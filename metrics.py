@@ -36,21 +36,19 @@ class Log:
         self.cfg, self.run = cfg, cfg["tracker"] and importlib.import_module(cfg["tracker"]).init(
             project="nanoasync", name=os.path.basename(os.path.abspath(cfg["out_dir"])), config=cfg)
         self.t_start = time.perf_counter() - ckpt.get("elapsed_s", 0.0)
-        self.samples, self.gen_tokens = ckpt.get("samples", 0), ckpt.get("gen_tokens", 0)
+        self.gen_tokens = ckpt.get("gen_tokens", 0)
         self.metrics = reopen(f"{cfg['out_dir']}/metrics.jsonl", start)
         self.completions = reopen(f"{cfg['out_dir']}/samples.jsonl", start)
 
     def state(self):  # for a checkpoint
-        return {"samples": self.samples, "gen_tokens": self.gen_tokens,
-                "elapsed_s": time.perf_counter() - self.t_start}
+        return {"gen_tokens": self.gen_tokens, "elapsed_s": time.perf_counter() - self.t_start}
 
     def step(self, step, groups, seen, sums, fleet, **extra):
         """groups: the trained batch; seen: every group taken from the buffer; sums: SUMS."""
         s, comps = dict(zip(SUMS, sums)), [c for g in groups for c in g["completions"]]
-        stale = [step - min(c["versions"], default=step) for c in comps]
-        self.samples += len(comps)
-        self.gen_tokens += sum(sum(c["mask"]) for g in seen for c in g["completions"])
-        m = {"step": step, "version": step + 1,
+        stale = [step - int(c["versions"].min()) for c in comps]  # arrays: rollout.TOKENS
+        self.gen_tokens += int(sum(c["mask"].sum() for g in seen for c in g["completions"]))
+        m = {"step": step, "version": step + 1, "samples": (step + 1) * len(comps),
              "reward_mean": mean([c["reward"] for g in seen for c in g["completions"]]),
              "response_len_mean": mean([len(c["ids"]) for c in comps]),
              "staleness_mean": mean(stale), "staleness_max": max(stale),
@@ -63,9 +61,9 @@ class Log:
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
              "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
              "turns_mean": mean([c["turns"] for c in comps]),  # model turns: tool calls + 1
-             "env_token_frac": 1 - mean([t for c in comps for t in c["mask"]]),  # the tools' share
+             "env_token_frac": 1 - mean([t for c in comps for t in c["mask"].tolist()]),  # tools'
              "train_tokens_per_s": (s["fresh"] + s["stale"]) / extra["t_train_s"],
-             "dropped_stale": fleet.buffer.dropped_stale, "dropped_flat": fleet.buffer.dropped_flat,
+             **{f"dropped_{why}": n for why, n in fleet.buffer.dropped.items()},
              "prompts": sorted(g["pos"] for g in groups), **self.state(), **extra,
              **fleet.rollout_stats()}
         eta = m["elapsed_s"] / (step + 1) * (self.cfg["max_steps"] - step - 1)  # at the mean pace
@@ -81,7 +79,7 @@ class Log:
         for g in groups:
             for c in g["completions"][:2]:
                 print(json.dumps({**tag, "prompt": g["prompt"], "completion": c["text"], "reward":
-                                  c["reward"], "versions": sorted(set(c["versions"]))}),
+                                  c["reward"], "versions": sorted(set(c["versions"].tolist()))}),
                       file=self.completions)
 
     def waiting(self, text, groups):  # buffer.get: a wait with nothing to train, what it dropped

@@ -50,8 +50,7 @@ def read_jsonl(path):
 
 
 def gsm8k(data_path, seed, n_eval, instruction=BOXED):
-    """data_path: a hub dataset id (openai/gsm8k: its test split is held out) or a jsonl file
-    (n_eval of its rows held out)."""
+    """data_path: a hub dataset id (openai/gsm8k; its test split held out) or a jsonl file."""
     if data_path.endswith(".jsonl") and not os.path.isfile(data_path):  # a hub id has a "/" too
         raise ValueError(f"data_path {data_path!r} not found: point --data_path= at {JSONL_HINT}")
     if not data_path:

@@ -16,6 +16,8 @@ import threading
 import time
 import traceback
 
+import numpy as np
+
 import reward
 import sync
 from budget import Budget
@@ -48,24 +50,25 @@ def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
     # room, and CUDA graphs, for the training sequences and engine 0's evals
     seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)
-    graphs = {} if device == "cpu" else {"compilation_config": {"max_cudagraph_capture_size": seqs}}
     # processed_logprobs: those of the distribution actually sampled. Prefix caching shares whole
     # blocks: at the CPU default of 128 tokens a group's samples would each recompute their prompt
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"] + e,
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
                gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
                tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
-               enable_prefix_caching=True, block_size=32 if device == "cpu" else None,
-               **graphs, **extra)
+               enable_prefix_caching=True, block_size=32 if device == "cpu" else None, **extra,
+               compilation_config=None if device == "cpu" else {"max_cudagraph_capture_size": seqs})
 
 
-def completion():  # built turn by turn, as the trainer gets it
-    return {"ids": [], "logprobs": [], "versions": [], "mask": [], "text": "", "turns": 0}
+TOKENS = dict(ids=np.int32, logprobs=np.float32, versions=np.int32, mask=np.int32)  # per token
+
+
+def completion():  # built turn by turn
+    return {**{key: [] for key in TOKENS}, "text": "", "turns": 0}
 
 
 def extend(c, ids, logprobs, versions, model):  # model: 1 (trained) or 0 (the tool's, context)
-    for key, xs in zip(("ids", "logprobs", "versions", "mask"),
-                       (ids, logprobs, versions, [model] * len(ids))):
+    for key, xs in zip(TOKENS, (ids, logprobs, versions, [model] * len(ids))):
         c[key] += xs
 
 
@@ -76,30 +79,27 @@ def tag(starts, n):  # n tokens' versions, from starts [(version, the first toke
 class Rollout:  # one engine's loop and its state between two engine steps
     def __init__(self, cfg, e):
         import torch
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-        self.cfg, self.e, self.parent = cfg, e, os.getppid()
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        self.cfg, self.e = cfg, e
         self.llm = make_llm(cfg, "cuda" if torch.cuda.is_available() else "cpu", e)
         self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
         # steps launched but not yet returned by step(): 1 with async scheduling, else 0
         self.lag = self.engine.vllm_config.max_concurrent_batches - 1
         self.task = reward.load_task(cfg)
-        train_set, self.eval_set = self.task["train"], self.task["eval"]
-        for p in train_set + self.eval_set:
-            p["ids"] = list(format_prompt(self.tok, p["prompt"]))
         room = cfg["max_model_len"] - cfg["max_new_tokens"]  # a longer prompt leaves none to answer
-        fits = lambda problems: [p for p in problems if len(p["ids"]) <= room]
-        self.train_set, self.eval_set = fits(train_set), fits(self.eval_set)
+        for p in self.task["train"] + self.task["eval"]:
+            p["ids"] = list(format_prompt(self.tok, p["prompt"]))
+        self.train_set, self.eval_set = ([p for p in self.task[k] if len(p["ids"]) <= room]
+                                         for k in ("train", "eval"))
         if not self.train_set:
             raise ValueError("no training prompt fits in max_model_len - max_new_tokens: "
                              "raise max_model_len or lower max_new_tokens")
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.counters["skipped_long"] = len(train_set) - len(self.train_set) if e == 0 else 0
+        self.counters["skipped_long"] = (e == 0) * (len(self.task["train"]) - len(self.train_set))
         self.workers = reward.Workers(cfg["grader_workers"], cfg["reward_timeout_s"])
         self.store = sync.open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
         sync.heartbeat(cfg["host"], cfg["rollout_port"], f"beat{e}", f"rollout process {e}")
-        self.store.set(f"idle{e}", "")  # borrow_cpus (mark_idle), before we say we joined
-        self.store.set(f"joined{e}", "1")
+        self.store.multi_set([f"idle{e}", f"joined{e}"], ["", "1"])  # idle: mark_idle's key
         self.ctl, self.traj = sync.connect(self.store, 1 + e, cfg["engines"], cfg["timeout_s"])
         self.llm.collective_rpc(sync.join, args=(cfg, 1 + e * cfg["tensor_parallel_size"]))
         start = json.loads(self.store.get("start"))
@@ -108,16 +108,15 @@ class Rollout:  # one engine's loop and its state between two engine steps
         # finished turns only, flat logprobs, undecoded (step() decodes each turn once). A turn
         # that calls the tool ends on any token whose text ends in `stop` if that is one token,
         # else on the text (vLLM then detokenizes every token of such requests)
-        stop, ends = self.task["stop"], {}
+        stop, ends = self.task["stop"], dict(detokenize=False)
         if stop and len(self.tok.encode(stop, add_special_tokens=False)) == 1:
-            ends = dict(stop_token_ids=[t for t in range(len(self.tok))
+            ends.update(stop_token_ids=[t for t in range(len(self.tok))
                                         if self.tok.decode([t]).endswith(stop)])
         elif stop:
             ends = dict(stop=stop, detokenize=True, include_stop_str_in_output=True)
-        quiet = dict(n=1, logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
-                     **{"detokenize": False, **ends})
         self.params = lambda greedy, room: SamplingParams(
-            temperature=0.0 if greedy else cfg["temperature"], max_tokens=room, **quiet)
+            temperature=0.0 if greedy else cfg["temperature"], max_tokens=room, n=1, logprobs=0,
+            flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY, **ends)
         self.groups, self.perm, self.inbox = {}, {}, queue.Queue()  # by id: g{n}; evals: eval{v}
         self.starts = {}  # request id -> [(version, index of the first token it computed)]
         self.pending, self.n_groups, self.live, self.running = None, 0, 0, 0
@@ -164,19 +163,18 @@ class Rollout:  # one engine's loop and its state between two engine steps
         request's tokens from here on are theirs, but `lag` of a step launched before (old)."""
         t0 = time.perf_counter()
         self.version = self.llm.collective_rpc(sync.load)[0]  # the oldest push received
-        self.llm.reset_prefix_cache()  # a no-op while requests hold blocks: the salt covers that
         self.pending = None if self.version == self.pending else self.pending
         for r in self.engine.output_processor.request_states.values():  # requests in flight
             self.starts[r.external_req_id].append(
                 (self.version, r.detokenizer.num_output_tokens() + self.lag))
         self.counters["rollout_pause_s"] = time.perf_counter() - t0  # generation paused
         self.counters["rollout_load_s"] += self.counters["rollout_pause_s"]
-        every, v = self.cfg["eval_every"], self.version
-        if self.e == 0 and every and (v % every == 0 or v == self.cfg["max_steps"]):
-            self.start_eval()
+        self.evaluate()
 
-    def start_eval(self):  # a group of its own, beside the training groups, across loads
-        self.open(f"eval{self.version}", self.eval_set, True, version=self.version)
+    def evaluate(self, first=False):  # engine 0: a held-out eval beside the training groups
+        v, every = self.version, self.cfg["eval_every"]
+        if self.e == 0 and every and (first or v % every == 0 or v == self.cfg["max_steps"]):
+            self.open(f"eval{v}", self.eval_set, True, version=v)
 
     def open(self, gid, problems, greedy, **group):  # a request per problem, to grade all
         self.groups[gid] = {"problems": problems, "comps": [completion() for _ in problems],
@@ -212,19 +210,14 @@ class Rollout:  # one engine's loop and its state between two engine steps
             c["text"] += o.text or self.tok.decode(o.token_ids, skip_special_tokens=True)
             c["turns"], c["cut"] = c["turns"] + 1, o.finish_reason == "length"
             self.running -= not gid.startswith("eval")
-            if c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]:
-                self.grade(gid, int(i))
-            else:
-                self.submit(gid, int(i), "turn")
+            final = c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]
+            self.submit(gid, int(i), "grade" if final else "turn")
 
-    def submit(self, gid, i, fn):
+    def submit(self, gid, i, fn):  # to the task's "turn" (its tool) or "grade" (final: a free slot)
         g = self.groups[gid]
+        self.live -= fn == "grade" and not gid.startswith("eval")
         self.workers.submit((gid, i, fn), self.task[fn], g["comps"][i]["text"],
                             g["problems"][i]["answer"])
-
-    def grade(self, gid, i):  # the answer is final: its slot is free
-        self.live -= not gid.startswith("eval")
-        self.submit(gid, i, "grade")
 
     def grades(self):  # the workers' results: a tool's words go on; graded groups go to the trainer
         for (gid, i, fn), result, failed in self.workers.poll():
@@ -232,7 +225,7 @@ class Rollout:  # one engine's loop and its state between two engine steps
             if fn == "turn":  # the tool's words; None: the answer is final; a failure ends it
                 self.counters["tool_failures"] += failed
                 if not (isinstance(result, str) and self.go_on(gid, i, result)):
-                    self.grade(gid, i)
+                    self.submit(gid, i, "grade")
                 continue
             ok = isinstance(result, float)  # else it failed, or returned no number
             self.counters["reward_failed"] += not ok
@@ -264,12 +257,13 @@ class Rollout:  # one engine's loop and its state between two engine steps
                               "eval_accuracy": sum(c["reward"] == 1 for c in g["comps"]) / n,
                               "eval_versions": [min(versions), max(versions)]})
         problem = g["problems"][0]
-        msg = {"kind": "group", "pos": g["pos"], "prompt": problem["prompt"],
-               "prompt_ids": problem["ids"], "completions": g["comps"],
-               "version_min": min(versions), "version_max": max(versions)}
+        msg = {"kind": "group", "pos": g["pos"], "prompt": problem["prompt"], "prompt_ids":
+               problem["ids"], "completions": g["comps"], "version_min": min(versions)}
         if self.cfg["drop_flat"] and reward.is_flat(msg):  # the trainer skips it: replace it now
             self.budget.returned += 1
         self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in g["comps"])  # generated
+        for c in g["comps"]:  # arrays: rank 0 unpickles 4 objects, not 4 a token; fp32 is vLLM's
+            c.update({key: np.array(c[key], dtype) for key, dtype in TOKENS.items()})
         self.mark_idle()  # before the trainer can see this group and look
         self.post(msg)
 
@@ -284,12 +278,9 @@ class Rollout:  # one engine's loop and its state between two engine steps
             while self.pending is None:
                 self.messages()
             self.load()
-        # the run's first eval, unless the resumed version's load() already started it
-        if self.e == 0 and self.cfg["eval_every"] > 0 and f"eval{self.version}" not in self.groups:
-            self.start_eval()
-        while self.messages():
-            if os.getppid() != self.parent:
-                raise RuntimeError("the trainer process is gone")
+        if f"eval{self.version}" not in self.groups:  # the run's first, unless load() started it
+            self.evaluate(first=True)
+        while self.messages():  # a dead trainer kills us (reward.die_with_parent)
             if self.pending is not None:  # never waits for an eval
                 self.load()
             self.admit()

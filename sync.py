@@ -4,6 +4,7 @@ load, traj brings back groups and evals. The weights go from trainer rank 0 to a
 vLLM worker, into a staging copy while the engine generates (NCCL on GPU, gloo on CPU; colocated,
 it is shared memory, CUDA IPC or /dev/shm); the engine pauses only to copy it in (load).
 Simplifications: a fixed weight layout; a broadcast per tensor; one staging copy."""
+import itertools
 import math
 import os
 import pickle
@@ -86,11 +87,9 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
 
 
 def plan(meta):  # [(name, shape)] -> [(name, shape, offset, numel)] in one flat staging copy
-    out, offset = [], 0
-    for name, shape in meta:
-        out.append((name, tuple(shape), offset, math.prod(shape)))
-        offset += out[-1][3]
-    return out
+    numels = [math.prod(shape) for _, shape in meta]
+    return [(name, tuple(shape), offset, n) for (name, shape), offset, n
+            in zip(meta, itertools.accumulate([0] + numels), numels)]
 
 
 def staging(plan, cfg, device):  # a flat copy of every weight; colocated on CPU, in /dev/shm
@@ -126,13 +125,12 @@ class Sender:  # trainer rank 0's end of the weight groups
     def __init__(self, store, plan, cfg, device, workers):
         self.plan, self.device, self.colocate = plan, device, cfg["colocate"]
         self.dtype = getattr(torch, cfg["rollout_dtype"])
-        store.set("plan", pickle.dumps(plan))
         if self.colocate:  # the workers' staging copy itself
             self.copy = staging(plan, cfg, device)
             if device.type == "cuda":
                 from torch.multiprocessing.reductions import reduce_tensor
                 store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
-        store.set("weights_ready", "1")
+        store.set("plan", pickle.dumps(plan))  # last: the workers wait for it
         self.wake, self.pg = weight_groups(store, 0, 1 + workers, device, self.colocate,
                                            cfg["timeout_s"])
         if self.colocate and device.type == "cpu":  # all mapped: nothing left, even after kill -9
@@ -165,7 +163,7 @@ def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc): star
     cuda, port = torch.cuda.is_available(), cfg["rollout_port"]
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(cfg["host"], port, False, cfg["timeout_s"])
-    store.wait(["weights_ready"])
+    store.wait(["plan"])
     plan = pickle.loads(store.get("plan"))
     if cfg["colocate"] and cuda:  # CUDA IPC: open the trainer's
         fn, args = pickle.loads(store.get("ipc"))

@@ -163,7 +163,7 @@ def micro_batch(groups, step, n_tok):
     n_chunks = L.agreed_chunks(groups, world, device)
     logp, mask, _ = L.token_logprobs(policy, groups, temperature, device, n_chunks=n_chunks)
     comps, W = [c for g in groups for c in g["completions"]], logp.shape[1]
-    pad = lambda key: torch.tensor([c[key] + [0] * (W - len(c[key])) for c in comps], device=device)
+    pad = lambda key: L.padded([c[key] for c in comps], device, width=W, dtype=torch.float32)[0]
     behav, rewards = pad("logprobs"), torch.tensor([c["reward"] for c in comps], device=device)
     adv = L.group_advantages(rewards, group_size)
     loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok)  # its weight bounds: loss.py
@@ -184,8 +184,8 @@ try:
             if master:
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive,
                                                         log.waiting)
-                n_tok = sum(sum(c["mask"]) for g in groups for c in g["completions"])  # flat too
-                box = [(buf.split(buf.worth_a_forward(groups, world), world), n_tok)]
+                n_tok = int(sum(c["mask"].sum() for g in groups for c in g["completions"]))
+                box = [(buf.deal(groups, world), n_tok)]
         except buf.Stopped as e:
             box = [str(e)]  # why: every rank stops at this step boundary
         dist.broadcast_object_list(box, src=0, group=batches)
@@ -199,8 +199,7 @@ try:
         micro_batches = range(0, len(mine), micro_batch_groups)
         for i in micro_batches:
             if borrow:  # borrow_cpus: while every engine waits for weights, compute on its cores
-                lent = fleet.idle(version)
-                borrowed += lent
+                borrowed += (lent := fleet.idle(version))
                 torch.set_num_threads(threads + borrow * lent)
             # each backward reduce-scatters into the fp32 shards: no rank holds a full gradient
             sums += micro_batch(mine[i:i + micro_batch_groups], step, n_tok)

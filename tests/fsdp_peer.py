@@ -29,7 +29,7 @@ groups = [{"prompt_ids": ids(5 + i),
                            for j, n in enumerate(ls)]}
           for i, ls in enumerate(lens)]
 n_tok, positions = float(sum(map(sum, lens))), torch.zeros(2, dtype=torch.float64)
-for grp in buffer.split(groups, world)[rank]:  # one group per micro-batch
+for grp in buffer.deal(groups, world)[rank]:  # one group per micro-batch (none is flat)
     n_chunks = loss.agreed_chunks([grp], world, "cpu")
     logp, mask, (computed, real) = loss.token_logprobs(model, [grp], 0.7, "cpu", n_chunks=n_chunks)
     positions += torch.tensor([computed, real])
