@@ -93,6 +93,19 @@ def test_a_wait_with_nothing_usable_reports_then_stops():
     assert len(b.get(0, 1)[0]) == 1
 
 
+def test_a_wait_reports_only_what_was_dropped_since_the_last_usable_group():
+    """Groups dropped before a usable one are not reported again in a later wait (nor kept)."""
+    b, reports = Buffer(max_staleness=0, drop_flat=True, stall_s=1.5), []
+    for g in (group(0, (0.0, 0.0)), group(0, (0.0, 0.0)), group(0)):  # 2 flat, then usable
+        b.put(g)
+    assert len(b.get(0, 1)[0]) == 1
+    b.put(group(0, (1.0, 1.0)))  # 1 flat, then nothing
+    with pytest.raises(Stopped, match=r"1 groups dropped since the last usable one: 1 flat at "
+                                      r"reward 1\)"):
+        b.get(0, 1, report=lambda text, groups: reports.append((text, groups)))
+    assert reports and [len(gs) for _, gs in reports] == [1] + [0] * (len(reports) - 1)
+
+
 def test_rank_r_gets_groups_r_r_plus_w_and_flat_ones_only_as_filler():
     live, flat = [group(0) for _ in range(3)], [group(0, (1.0, 1.0)), group(0, (0.0, 0.0))]
     batch = [flat[0], live[0], live[1], flat[1], live[2]]
