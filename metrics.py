@@ -46,11 +46,11 @@ class Log:
     def step(self, step, groups, seen, sums, fleet, **extra):
         """groups: the trained batch; seen: every group taken from the buffer; sums: SUMS."""
         s, comps = dict(zip(SUMS, sums)), [c for g in groups for c in g["completions"]]
-        stale = [step - int(c["versions"].min()) for c in comps]  # arrays: rollout.TOKENS
+        stale, n = [step - int(c["versions"].min()) for c in comps], [len(c["ids"]) for c in comps]
         self.gen_tokens += int(sum(c["mask"].sum() for g in seen for c in g["completions"]))
         m = {"step": step, "version": step + 1, "samples": (step + 1) * len(comps),
              "reward_mean": mean([c["reward"] for g in seen for c in g["completions"]]),
-             "response_len_mean": mean([len(c["ids"]) for c in comps]),
+             "response_len_mean": mean(n),
              "staleness_mean": mean(stale), "staleness_max": max(stale),
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(fleet.engines)],
              # the health metric: a jump means the weights or the sampled distribution are wrong
@@ -61,7 +61,7 @@ class Log:
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
              "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
              "turns_mean": mean([c["turns"] for c in comps]),  # model turns: tool calls + 1
-             "env_token_frac": 1 - mean([t for c in comps for t in c["mask"].tolist()]),  # tools'
+             "env_token_frac": 1 - sum(c["mask"].sum() for c in comps) / sum(n),  # the tools' share
              "train_tokens_per_s": (s["fresh"] + s["stale"]) / extra["t_train_s"],
              **{f"dropped_{why}": n for why, n in fleet.buffer.dropped.items()},
              "prompts": sorted(g["pos"] for g in groups), **self.state(), **extra,

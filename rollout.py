@@ -117,9 +117,9 @@ class Rollout:  # one engine's loop and its state between two engine steps
         self.params = lambda greedy, room: SamplingParams(
             temperature=0.0 if greedy else cfg["temperature"], max_tokens=room, n=1, logprobs=0,
             flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY, **ends)
-        self.groups, self.perm, self.inbox = {}, {}, queue.Queue()  # by id: g{n}; evals: eval{v}
+        self.groups, self.perm, self.inbox = {}, {}, queue.Queue()  # by id: g{pos}; evals: eval{v}
         self.starts = {}  # request id -> [(version, index of the first token it computed)]
-        self.pending, self.n_groups, self.live, self.running = None, 0, 0, 0
+        self.pending, self.live, self.running = None, 0, 0
         self.budget = Budget(self.store, cfg, e, self.v0)
         self.idle = ""  # borrow_cpus: our mark in the store (mark_idle)
         threading.Thread(target=self.receive, daemon=True).start()
@@ -196,8 +196,8 @@ class Rollout:  # one engine's loop and its state between two engine steps
             if epoch not in self.perm:  # the epoch's order, the same in every engine
                 rng = random.Random(f"{self.cfg['seed']}/{epoch}")
                 self.perm = {epoch: rng.sample(range(N), N)}
-            problem, self.n_groups = self.train_set[self.perm[epoch][i]], self.n_groups + 1
-            self.open(f"g{self.n_groups}", [problem] * self.cfg["group_size"], False, pos=k)
+            problem = self.train_set[self.perm[epoch][i]]  # its group's id: g{k}, k unique
+            self.open(f"g{k}", [problem] * self.cfg["group_size"], False, pos=k)
             self.live += self.cfg["group_size"]  # sequences generating, or in a tool call
 
     def step(self):  # one engine step; each turn it finished goes to the task's turn or grade
