@@ -22,7 +22,7 @@ setup: .venv/.installed
 demo: setup
 	$(PY) prepare.py smollm2
 	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_cpu.py
-	$(PY) bench.py --plot out/smollm_cpu
+	$(PY) plot.py out/smollm_cpu
 
 agent: setup
 	$(PY) prepare.py smollm2
@@ -30,7 +30,7 @@ agent: setup
 	# the no-tool baseline: the same questions and model, one turn, no calculator offered (eval only)
 	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_calc.py --max_turns=1 --max_steps=0 \
 		--out_dir=out/smollm_calc_no_tool
-	$(PY) bench.py --plot --baseline=out/smollm_calc_no_tool out/smollm_calc
+	$(PY) plot.py --baseline=out/smollm_calc_no_tool out/smollm_calc
 
 test: .venv/.test-installed
 	$(PY) prepare.py tiny

@@ -7,7 +7,8 @@ import time
 from statistics import fmean as mean
 
 # per-token sums each rank adds up over its micro-batches, all-reduced once per step
-SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "whole", "shift_whole")
+SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "whole", "shift_whole",
+        "k3_whole")
 
 
 def token_sums(loss, bounded, logp, behav, mask, fresh):
@@ -15,8 +16,12 @@ def token_sums(loss, bounded, logp, behav, mask, fresh):
     import torch
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
     whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # all by them, tokens and KV cache
-    shift = (logp.detach() - behav).abs()  # |log rho|: ~1e-7 on whole completions in fp32
-    parts = (loss.detach(), fresh, bounded & stale, stale, shift * fresh, whole, shift * whole)
+    log_rho = logp.detach() - behav
+    shift = log_rho.abs()  # ~1e-7 on whole completions in fp32
+    # k3 = rho - 1 - log rho: an unbiased, never negative estimate of KL(vLLM || trainer)
+    k3 = torch.expm1(log_rho) - log_rho
+    parts = (loss.detach(), fresh, bounded & stale, stale, shift * fresh, whole, shift * whole,
+             k3 * whole)
     return torch.stack([x.float().sum() for x in parts])
 
 
@@ -55,6 +60,7 @@ class Log:
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(fleet.engines)],
              # the health metric: a jump means the weights or the sampled distribution are wrong
              "loss": s["loss"], "logprob_mismatch": ratio(s["shift_whole"], s["whole"]),
+             "logprob_kl_k3": ratio(s["k3_whole"], s["whole"]),
              # fresh tokens of completions that lived through a load: old weights made their KV
              "logprob_shift_reloaded": ratio(s["shift_fresh"] - s["shift_whole"],
                                              s["fresh"] - s["whole"]),

@@ -1,9 +1,15 @@
-"""sync.py: the trainer <-> rollout engine wires, set up by a TCPStore on trainer rank 0 (also the
-heartbeats, the weights' plan, budget.py's discards). Gloo: ctl tells the engines each version to
-load, traj brings back groups and evals. The weights go from trainer rank 0 to a thread in each
-vLLM worker, into a staging copy while the engine generates (NCCL on GPU, gloo on CPU; colocated,
-it is shared memory, CUDA IPC or /dev/shm); the engine pauses only to copy it in (load).
-Simplifications: a fixed weight layout; a broadcast per tensor; one staging copy."""
+"""sync.py: the wires between the trainer and the rollout engines. A TCPStore on trainer rank 0
+sets them up, and also carries the heartbeats, the weights' plan and budget.py's counters.
+
+Two gloo groups carry messages: ctl tells every engine each version to load, and traj brings
+each engine's groups and evals back to rank 0. The weights go from trainer rank 0 to a thread in
+each vLLM worker, in buckets (NCCL on GPUs, gloo on CPU; colocated, through shared memory: CUDA
+IPC or /dev/shm). Staged (the default): into a copy of the weights while the engine generates,
+and the engine pauses only to copy it in (load). Paused (stage_weights=False, and tensor
+parallelism on GPUs): no copy; the engine pauses for the push and loads each bucket as it comes.
+
+Simplifications: a fixed weight layout, planned once; one staging copy.
+"""
 import itertools
 import math
 import os
@@ -18,7 +24,10 @@ import torch
 import torch.distributed as dist
 
 FOREVER = 7 * 86400  # waits as long as a training step or a quiet engine: heartbeats end them
-BEAT_S, DEAD_S = 1, 10  # a heartbeat a second; a peer silent for DEAD_S is dead
+BEAT_S = 1  # a heartbeat a second
+DEAD_S = 10  # a peer whose heartbeat has not moved for this long is dead
+GRACE_S = 5  # after a dead peer, how long the main thread has to stop by itself
+BUCKET = 2**27  # bytes a weight broadcast moves at most (a larger weight goes alone)
 
 
 def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine (MASTER_ADDR)
@@ -30,21 +39,76 @@ def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine (M
                            "port in use? pick a free one with --rollout_port=PORT") from None
 
 
-def heartbeat(host, port, key, who, every=lambda store: None, first_s=DEAD_S):
-    """Thread: `key` += 1 each BEAT_S, every(store); rank 0's store gone or silent: exit at once."""
-    def run():
+def silent(name):  # the one message for a peer whose heartbeat stopped
+    return (f"{name} sent no heartbeat for {DEAD_S} s: it died, its node is lost, or it hangs; "
+            "its node's log says which")
+
+
+class Heartbeat:
+    """A thread that adds 1 to our `key` in rank 0's store every BEAT_S, with how long ago our
+    loop last moved (moved()), and watches `peers` ({key: name}): once a peer's key has moved,
+    it must go on moving, and a peer's loop must move within loop_s. A peer that fails, or rank
+    0's store gone, ends this process: `dead` says why (check_alive raises it in the main
+    thread), and after GRACE_S the thread exits the process itself, for the main thread may be
+    blocked in a collective with the dead peer. stop(): a clean end, when the store may close."""
+
+    def __init__(self, host, port, key, peers=(), first_s=DEAD_S, loop_s=FOREVER,
+                 every=lambda store: None, grace_s=0):
+        self.key = key
+        self.grace_s = grace_s  # rank 0's main thread raises `dead` itself: it gets GRACE_S
+        self.peers = dict(peers)
+        self.loop_s = loop_s
+        self.every = every  # more work each beat (another node's leader: its engines' exits)
+        self.last_move = None  # when our loop last moved; None: we vouch for no loop
+        self.dead = None  # why this process must end
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(host, port, first_s), daemon=True)
+        self.thread.start()
+
+    def moved(self):  # the loop we vouch for made progress
+        self.last_move = time.monotonic()
+
+    def stop(self):  # a clean end: the thread says "bye" (the watchers let us go), then ends
+        self.stopped.set()
+        self.thread.join(DEAD_S)
+
+    def run(self, host, port, first_s):
         try:
             store = open_store(host, port, False, first_s)
             store.set_timeout(timedelta(seconds=DEAD_S))
-            while True:
-                store.add(key, 1)
-                every(store)
-                time.sleep(BEAT_S)
+            seen = {}  # peer key -> (its last beat, when it changed)
+            for n in itertools.count():
+                idle = time.monotonic() - (self.last_move or time.monotonic())
+                store.set(self.key, f"{n} {idle:.0f}")
+                self.every(store)
+                if self.peers:
+                    self.watch(store.multi_get(list(self.peers)), seen)
+                if self.stopped.wait(BEAT_S):
+                    store.set(self.key, "bye")
+                    return
         except Exception as e:
-            print(f"error: {who}: trainer rank 0's store on {host}:{port} is gone ({e})",
-                  file=sys.stderr, flush=True)
+            if not self.stopped.is_set():  # a clean end closes the store: no error then
+                self.fail(f"trainer rank 0's store on {host}:{port} is gone ({e})")
+
+    def watch(self, beats, seen):
+        now = time.monotonic()
+        for (key, name), beat in zip(self.peers.items(), beats):
+            if beat in (b"", b"bye"):  # not started yet (rank 0 made every key empty), or ended
+                continue
+            n, idle = beat.decode().split()
+            if seen.get(key, (None,))[0] != n:
+                seen[key] = (n, now)
+            if now - seen[key][1] > DEAD_S:
+                self.fail(silent(name))
+            if int(idle) > self.loop_s:
+                self.fail(f"{name}: its loop has not moved for {idle} s (hung in vLLM or a "
+                          "driver? `py-spy dump --pid PID` shows where)")
+
+    def fail(self, why):
+        self.dead = why
+        if not self.stopped.wait(self.grace_s):
+            print(f"error: {self.key}: {why}", file=sys.stderr, flush=True)
             os._exit(1)  # at once: nothing waits on a dead peer (NCCL would, for its timeout)
-    threading.Thread(target=run, daemon=True).start()
 
 
 def gloo(store, name, rank, size, timeout_s):
@@ -73,8 +137,10 @@ def recv_obj(pg, src):
     return pickle.loads(data.numpy().tobytes())
 
 
-def announce(pg, version=0):  # ctl: trainer rank 0 tells every engine the version to load (-1:
-    v = torch.tensor([version])  # stop); -> what the engines receive
+def broadcast_version(pg, version=0):
+    """ctl: trainer rank 0 tells every engine the version to load (-1: stop). Every member calls
+    it; each gets rank 0's version."""
+    v = torch.tensor([version])
     pg.broadcast(v, 0).wait()
     return int(v)
 
@@ -86,26 +152,48 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
     work.wait()  # raises its error, if it failed
 
 
-def plan(meta):  # [(name, shape)] -> [(name, shape, offset, numel)] in one flat staging copy
-    numels = [math.prod(shape) for _, shape in meta]
-    return [(name, tuple(shape), offset, n) for (name, shape), offset, n
-            in zip(meta, itertools.accumulate([0] + numels), numels)]
+def plan(meta, dtype):
+    """[(name, shape)] -> [(offset, numel, [(name, shape)])]: the weights in buckets of
+    consecutive ones, each at most BUCKET bytes (a larger weight alone), at their offsets in one
+    flat copy. Trainer and workers make the same plan: a bucket is one broadcast."""
+    buckets, offset, limit = [], 0, BUCKET // dtype.itemsize
+    for name, shape in meta:
+        n = math.prod(shape)
+        if not buckets or buckets[-1][1] + n > limit:
+            buckets.append((offset, 0, []))
+        off, size, weights = buckets[-1]
+        buckets[-1] = (off, size + n, weights + [(name, tuple(shape))])
+        offset += n
+    return buckets
+
+
+def weights_in(flat, weights):  # a bucket's flat tensor -> (name, a view of it shaped)
+    sizes = [math.prod(shape) for _, shape in weights]
+    return [(name, part.view(shape)) for (name, shape), part in zip(weights, flat.split(sizes))]
 
 
 def staging(plan, cfg, device):  # a flat copy of every weight; colocated on CPU, in /dev/shm
-    size, dtype = sum(n for *_, n in plan), getattr(torch, cfg["rollout_dtype"])
+    size, dtype = sum(n for _, n, _ in plan), getattr(torch, cfg["rollout_dtype"])
     if cfg["colocate"] and device.type == "cpu":
         path = f"/dev/shm/nanoasync-{cfg['rollout_port']}"  # Sender unlinks it once all mapped
         return torch.from_file(path, shared=True, size=size, dtype=dtype)
     return torch.empty(size, dtype=dtype, device=device)
 
 
+def staged(cfg):  # True: the engines receive while generating, into a copy (sync's docstring)
+    return cfg["stage_weights"] and not (torch.cuda.is_available()
+                                         and cfg["tensor_parallel_size"] > 1)
+
+
 def weight_groups(store, rank, world, device, colocate, timeout_s):
     """-> (wake: gloo, a push begins; the weights: NCCL on GPU, else gloo)."""
     wake = gloo(store, "wake", rank, world, timeout_s if rank == 0 else FOREVER)
-    if device.type == "cuda" and not colocate:
+    # NCCL refuses two ranks on one GPU: sharing it for a check, gloo carries the CUDA tensors
+    if device.type == "cuda" and not colocate and os.environ.get("NANOASYNC_SHARE_GPU") != "1":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
+        # a waiting receive kernel holds its SMs: on an engine's GPU, few, beside vLLM's kernels
+        opts.config.max_ctas = 4
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("weights", store), rank, world, opts)
         pg.eager_connect_single_device(device)  # every member connects now, not in the first push
         return wake, pg
@@ -130,30 +218,44 @@ class Sender:  # trainer rank 0's end of the weight groups
             if device.type == "cuda":
                 from torch.multiprocessing.reductions import reduce_tensor
                 store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
+        else:  # two buckets: one is filled while the other is sent
+            size = max([n for _, n, weights in plan if len(weights) > 1], default=0)
+            self.buckets = [torch.empty(size, dtype=self.dtype, device=device) for _ in range(2)]
         store.set("plan", pickle.dumps(plan))  # last: the workers wait for it
         self.wake, self.pg = weight_groups(store, 0, 1 + workers, device, self.colocate,
                                            cfg["timeout_s"])
         if self.colocate and device.type == "cpu":  # all mapped: nothing left, even after kill -9
             os.unlink(self.copy.untyped_storage().filename)
 
+    def close(self):  # a clean end: NCCL's communicator is shut down, not left to its destructor
+        if type(self.pg).__name__ == "ProcessGroupNCCL":
+            self.pg.shutdown()
 
-def push(sender, tensors, plan, version=0, check_alive=lambda: None):
-    """Every trainer rank calls it (gathers are collectives); rank 0 alone passes a Sender."""
+
+def push(sender, tensors, version, check_alive=lambda: None):
+    """Trainer rank 0: the weights, (name, full tensor) in plan order, to every vLLM worker as
+    `version`. Each bucket is filled while the one before it is on its way."""
+    finish(sender.wake.allreduce([torch.tensor([version])]), check_alive)  # a push begins
     works = []
-    if sender is not None:  # the version to every worker, once its engine has loaded the last
-        finish(sender.wake.allreduce([torch.tensor([version])]), check_alive)
-    for (name, _, off, n), (got, t) in zip(plan, tensors):
-        assert got == name, f"weight order changed: expected {name}, got {got}"
-        if sender is None:
-            continue
-        t = t.detach().to(sender.dtype).reshape(-1)
+    for i, (offset, n, weights) in enumerate(sender.plan):
+        if len(works) == 2:  # the broadcast of bucket i - 2, which used this buffer, is done
+            finish(works.pop(0), check_alive)
         if sender.colocate:
-            sender.copy[off:off + n].copy_(t)
-        else:  # a tensor at a time: its send overlaps the next ones' gathers; 8 in flight
-            works.append(sender.pg.broadcast(t, 0))
-            if len(works) > 8:
-                finish(works[-9], check_alive)
-    if sender is not None and sender.colocate:
+            flat = sender.copy[offset:offset + n]
+        elif len(weights) == 1:  # a weight alone goes as it is: no copy, no buffer its size
+            flat = None
+        else:
+            flat = sender.buckets[i % 2][:n]
+        for name, part in weights_in(flat, weights) if flat is not None else [(weights[0][0], None)]:
+            got, t = next(tensors)
+            assert got == name, f"weight order changed: expected {name}, got {got}"
+            if part is None:
+                flat = t.detach().to(sender.dtype).reshape(-1)
+            else:
+                part.copy_(t.detach())
+        if not sender.colocate:
+            works.append(sender.pg.broadcast(flat, 0))
+    if sender.colocate:
         barrier(sender.pg, sender.device)  # all of it is in place
     for w in works:
         finish(w, check_alive)
@@ -165,23 +267,27 @@ def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc): star
     store = open_store(cfg["host"], port, False, cfg["timeout_s"])
     store.wait(["plan"])
     plan = pickle.loads(store.get("plan"))
+    copy = None  # paused: no copy at all
     if cfg["colocate"] and cuda:  # CUDA IPC: open the trainer's
         fn, args = pickle.loads(store.get("ipc"))
         copy = fn(*args)
-    else:
+    elif cfg["colocate"] or staged(cfg):
         copy = staging(plan, cfg, device)
     world = 1 + cfg["engines"] * cfg["tensor_parallel_size"]
     groups = weight_groups(store, first_rank + worker.rank, world, device, cfg["colocate"],
                            cfg["timeout_s"])
-    worker.nanoasync = s = dict(copy=copy, plan=plan, device=device, staged=queue.Queue(),
-                                loaded=threading.Event(), timeout_s=cfg["timeout_s"],
-                                groups=groups, colocate=cfg["colocate"],
-                                inline=cuda and cfg["tensor_parallel_size"] > 1)
-    if not s["inline"]:
+    worker.nanoasync = s = dict(
+        copy=copy, plan=plan, device=device, groups=groups, colocate=cfg["colocate"],
+        dtype=getattr(torch, cfg["rollout_dtype"]), timeout_s=cfg["timeout_s"],
+        staged=queue.Queue(),  # the staging thread's received versions (or its error)
+        loaded=threading.Event())  # load() has copied the last one in: receive the next
+    if copy is not None:
         threading.Thread(target=stage, args=(s,), daemon=True).start()
 
 
-def receive(s):  # one push into the staging copy -> its version
+def receive(s):
+    """One push. Staged or colocated: into the copy, -> its version. Paused: -> (version, a
+    generator of (name, weight) that receives each bucket as copy_in() reaches it)."""
     if s["device"].type == "cuda":
         torch.cuda.set_device(s["device"])  # a new thread starts on GPU 0
     wake, pg = s["groups"]
@@ -190,18 +296,26 @@ def receive(s):  # one push into the staging copy -> its version
     if s["colocate"]:
         barrier(pg, s["device"])  # the trainer has written it
         return int(version)
+    if s["copy"] is None:
+        return int(version), received(s)
     stream = torch.cuda.Stream(s["device"]) if s["device"].type == "cuda" else None
     with torch.cuda.stream(stream):  # None (CPU): a no-op
-        works = [pg.broadcast(s["copy"][off:off + n], 0) for *_, off, n in s["plan"]]
+        works = [pg.broadcast(s["copy"][offset:offset + n], 0) for offset, n, _ in s["plan"]]
     for w in works:
         finish(w)
     return int(version)
 
 
+def received(s):  # paused: a bucket at a time, each in its own tensor (vLLM may keep views)
+    for _, n, weights in s["plan"]:
+        flat = torch.empty(n, dtype=s["dtype"], device=s["device"])
+        s["groups"][1].broadcast(flat, 0).wait()  # on a GPU: the stream waits, not the host
+        yield from weights_in(flat, weights)
+
+
 def stage(s):
     """Thread in each worker: each push into the staging copy beside vLLM's forward passes, on a
-    stream no kernel of vLLM's waits on. Not with tensor_parallel_size > 1 on GPUs (NCCL does not
-    promise two communicators at once cannot deadlock): load() receives there, the engine paused."""
+    stream no kernel of vLLM's waits on."""
     try:
         while True:
             s["staged"].put(receive(s))
@@ -211,18 +325,22 @@ def stage(s):
         s["staged"].put(e)
 
 
-def load(worker):  # in each vLLM worker (collective_rpc): the engine's pause, a copy -> version
+def load(worker):  # in each vLLM worker (collective_rpc): the engine's pause -> the version
     s, cuda = worker.nanoasync, torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()  # no forward pass reads the old weights (nor all-reduces run)
-    try:
-        version = receive(s) if s["inline"] else s["staged"].get(timeout=s["timeout_s"])
-    except queue.Empty:
-        raise TimeoutError(f"no weights came in timeout_s={s['timeout_s']} s") from None
-    if isinstance(version, Exception):
-        raise RuntimeError(f"receiving weights failed: {version}")
-    copy_in(worker, ((name, s["copy"][off:off + n].view(shape)) for name, shape, off, n in
-                     s["plan"]))
+    if s["copy"] is None:  # paused: the push itself, a bucket at a time
+        version, weights = receive(s)
+    else:
+        try:
+            version = s["staged"].get(timeout=s["timeout_s"])
+        except queue.Empty:
+            raise TimeoutError(f"no weights came in timeout_s={s['timeout_s']} s") from None
+        if isinstance(version, Exception):
+            raise RuntimeError(f"receiving weights failed: {version}")
+        weights = (w for offset, n, ws in s["plan"]
+                   for w in weights_in(s["copy"][offset:offset + n], ws))
+    copy_in(worker, weights)
     if cuda:
         torch.cuda.synchronize()  # done with the staging copy; every stream sees the new weights
     s["loaded"].set()

@@ -1,11 +1,16 @@
 """train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`
-(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; each node's first
-rank starts its vLLM engines (rollout.py), which generate all the time. Each optimizer step takes a
-batch (the one wait for generation, buffer.py), computes the loss (loss.py), steps, sends the new
-weights to every vLLM worker (sync.py) and logs (metrics.py); batch k trains version k (the weights
-after k steps). Ctrl-C, SIGTERM or a stall stops every rank at a step boundary. Simplifications:
-one optimizer step a batch; constant-lr AdamW; no KL penalty, no reference model (beta = 0, as in
-DAPO); trainer rank 0 alone talks to the engines."""
+(`python train.py ...`: one rank).
+
+N trainer ranks shard the policy with FSDP2; the first rank of each node starts that node's vLLM
+engines (fleet.py, rollout.py), which generate all the time. Each optimizer step takes a batch
+(the one wait for generation, buffer.py), computes the loss over packed micro-batches (loss.py),
+steps, sends the new weights to every vLLM worker (sync.py) and logs (metrics.py). Batch k trains
+version k, the weights after k steps. Ctrl-C, SIGTERM or a stall stops every rank at a step
+boundary; a dead rank or engine, on any node, ends the run within seconds.
+
+Simplifications: one optimizer step a batch; constant-lr AdamW; no KL penalty and no reference
+model (beta = 0, as in DAPO); trainer rank 0 alone talks to the engines.
+"""
 import json
 import os
 import signal
@@ -20,11 +25,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import buffer as buf
+import buffer
 import configurator
 import loss as L
 import metrics
 import sync
+from fleet import Fleet, kill, place, spawn, wait_for, watch
 
 # -------------------------------------------------------------------------------------------------
 # default config: config/*.py files, then --key=value, override these (configurator.py)
@@ -35,14 +41,14 @@ out_dir = "out"
 tracker = ""  # "wandb" | "trackio": the config, each metrics.jsonl row; the run is named out_dir's
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
-batch_groups = 8  # prompt groups per step, split over the trainer ranks
+batch_groups = 8  # prompt groups per step, dealt out to the trainer ranks
 group_size = 8  # completions per prompt
 max_new_tokens = 64  # per completion: all its turns and tool results
 max_turns = 4  # model turns per completion, for a task with a tool (calculator: 1 = no tool)
 temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
 grad_clip = 1.0
-micro_batch_groups = 1  # prompt groups per forward/backward
+micro_batch_tokens = 4096  # packed tokens per forward/backward (a larger group runs alone)
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
 max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
@@ -51,8 +57,11 @@ eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines on each node, each on tensor_parallel_size GPUs after its ranks'
 tensor_parallel_size = 1
 colocate = False  # one GPU for the trainer and vLLM; weights pass through shared memory
+stage_weights = True  # engines receive new weights while generating, into a copy; False: paused,
+# bucket by bucket, no copy (for a model whose copy would not fit; always so with tensor
+# parallelism on GPUs)
 rollout_seqs = 256  # most sequences generating at once in one engine (budget.py)
-rollout_dtype = "float32"  # vLLM weights and compute
+rollout_dtype = "float32"  # vLLM weights and compute (its output layer: always float32)
 trainer_dtype = "float32"  # FSDP2 compute; master weights and gradient reduction stay float32
 rollout_cpus = ""  # CPU: vLLM's cores, e.g. "1" or "2-3"; the trainer ranks keep the rest
 borrow_cpus = True  # CPU, one rank: train on vLLM's cores too while every engine waits
@@ -70,11 +79,16 @@ ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, on 
 resume = False  # continue exactly from {out_dir}/ckpt.pt
 # -------------------------------------------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
-for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+for k, v in torchrun.items():
     os.environ.setdefault(k, v)  # plain `python train.py`: one rank
-rank, world, local_rank, local_world, node, nodes = (int(os.environ[k]) for k in (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+rank = int(os.environ["RANK"])
+world = int(os.environ["WORLD_SIZE"])
+local_rank = int(os.environ["LOCAL_RANK"])
+local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+node = int(os.environ["GROUP_RANK"])
+nodes = int(os.environ["GROUP_WORLD_SIZE"])
 master = rank == 0
 config = configurator.check(config, world)
 model = config["model"]  # a hub id is now a folder in the hub cache
@@ -85,7 +99,7 @@ if not cuda and torch.version.cuda:  # a CUDA build of torch (and vLLM) that see
     configurator.die(f"torch {torch.__version__} sees no GPU: CUDA 13 needs NVIDIA driver >= 580 "
                      "(nvidia-smi); or CUDA_VISIBLE_DEVICES is empty; no GPU: requirements-cpu.txt")
 device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
-engine_gpus, borrow = buf.place(config, world, local_world, device, local_rank == 0)
+engine_gpus, borrow = place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
 threads = torch.get_num_threads()  # CPU: our cores' (place)
@@ -95,7 +109,7 @@ batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
 L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing)
-optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, fused=cuda)
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
 
 
@@ -106,8 +120,9 @@ def full_weights(dtype=getattr(torch, trainer_dtype)):
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
-# every weight's place in the engines' staging copy, the same on every side
-plan = sync.plan([(name, p.shape) for name, p in policy.named_parameters()])
+# every weight's bucket and place in the engines' staging copy, the same on every side
+plan = sync.plan([(name, p.shape) for name, p in policy.named_parameters()],
+                 getattr(torch, rollout_dtype))
 ckpt_path, ckpt = os.path.join(out_dir, "ckpt.pt"), {}
 
 
@@ -126,50 +141,55 @@ if resume:  # rank 0 reads the file; the other ranks' shards come by broadcast
     ckpt = torch.load(ckpt_path, weights_only=True) if master else {"model": {}, "optim": {}}
     set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model"),
                    optim_state_dict=ckpt.pop("optim"), options=full_state)
-box = [ckpt.get("version", 0)]
-dist.broadcast_object_list(box, src=0)
-start = box[0]  # this run's first batch is trained at version start
-stop_signal, engines = [], []  # Ctrl-C / SIGTERM: the loop stops at the next step boundary
+start_version = [ckpt.get("version", 0)]
+dist.broadcast_object_list(start_version, src=0)
+start = start_version[0]  # this run's first batch is trained at version `start`
+stop_signal = []  # Ctrl-C / SIGTERM: the loop stops at the next step boundary
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
 # ---- every node's first rank starts its engines; from here on they generate all the time ----
+engines = []  # the processes this rank started, if it leads another node
 if master:
     os.makedirs(out_dir, exist_ok=True)
     json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)
-    fleet = buf.Rollouts(config, plan, device, engine_gpus, ckpt, lambda: stop_signal, nodes)
+    fleet = Fleet(config, plan, device, engine_gpus, ckpt, lambda: stop_signal, nodes, world,
+                  local_world)
     log = metrics.Log(config, start, ckpt)
-elif engine_gpus:  # another node's engines: numbered on from node 0's, they talk to rank 0 only
-    engines = buf.spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
+    heartbeat = fleet.heartbeat
+else:
+    if engine_gpus:  # another node's engines: numbered on from node 0's, they talk to rank 0
+        engines = spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
                         os.environ["MASTER_ADDR"])
-if not master:  # rank 0 gone: exit at once, not when a collective times out; our engines' deaths
-    sync.heartbeat(os.environ["MASTER_ADDR"], rollout_port, f"rank{rank}", f"trainer rank {rank}",
-                   lambda store: buf.report_exits(engines, node * rollout_engines, node),
-                   start_timeout_s)
+    heartbeat = watch(config, rank, world, local_world, nodes, engines)
+# from here on every rank beats, and watches every other rank and engine of the run: one that
+# goes silent ends this rank too, within seconds (sync.Heartbeat)
 
 
-def push_weights(version):  # every rank gathers; rank 0 sends, then tells the engines to load it
+def push_weights(version):
+    """Every rank gathers the full weights (collectives); rank 0 sends them to every worker,
+    then tells the engines to load version `version`."""
     if not master:
-        return sync.push(None, full_weights(), plan)
-    if inline := cuda and tensor_parallel_size > 1:  # the engines receive it paused (sync.stage)
-        sync.announce(fleet.ctl, version)
-    sync.push(fleet.sender, full_weights(), plan, version, lambda: fleet.check_alive(False))
-    if not inline:
-        sync.announce(fleet.ctl, version)  # they received it while generating: now a copy
+        for _ in full_weights():  # each full_tensor() is an all-gather every rank must join
+            pass
+        return
+    paused = not (colocate or sync.staged(config))  # the engines receive it paused: tell them first
+    if paused:
+        sync.broadcast_version(fleet.ctl, version)
+    sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
+    if not paused:  # they received it while generating: now they load it, a copy
+        sync.broadcast_version(fleet.ctl, version)
 
 
 def micro_batch(groups, step, n_tok):
-    """Loss and backward of a micro-batch of groups -> its share of metrics.SUMS."""
-    n_chunks = L.agreed_chunks(groups, world, device)
-    logp, mask, _ = L.token_logprobs(policy, groups, temperature, device, n_chunks=n_chunks)
-    comps, W = [c for g in groups for c in g["completions"]], logp.shape[1]
-    pad = lambda key: L.padded([c[key] for c in comps], device, width=W, dtype=torch.float32)[0]
-    behav, rewards = pad("logprobs"), torch.tensor([c["reward"] for c in comps], device=device)
-    adv = L.group_advantages(rewards, group_size)
-    loss, bounded = L.grpo_loss(logp, behav, adv, mask, n_tok)  # its weight bounds: loss.py
-    fresh = pad("versions") == step  # sampled by the weights being trained
+    """Loss and backward of one packed micro-batch -> its share of metrics.SUMS."""
+    batch = L.to_device(L.pack(groups), device)
+    logp = L.token_logprobs(policy, batch, temperature)  # [C, T]
+    adv = L.group_advantages(batch["rewards"], group_size)
+    loss, bounded = L.grpo_loss(logp, batch["behav"], adv, batch["mask"], n_tok)
     (loss * world).backward()  # FSDP averages over ranks; the loss is already a global token mean
-    return metrics.token_sums(loss, bounded, logp, behav, mask, fresh)
+    fresh = batch["versions"] == step  # sampled by the weights being trained
+    return metrics.token_sums(loss, bounded, logp, batch["behav"], batch["mask"], fresh)
 
 
 version = step = start
@@ -178,31 +198,39 @@ try:
         push_weights(start)
     for step in range(start, max_steps):
         version = step
-        # ---- 1. a batch ----
-        box = [None]
-        try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
-            if master:
+        # ---- 1. a batch: rank 0 takes it from the buffer and deals it out ----
+        msg = {}  # rank 0: {"shares": groups per rank, "n_tok"}, or {"stop": why}
+        if master:
+            try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive,
                                                         log.waiting)
-                n_tok = int(sum(c["mask"].sum() for g in groups for c in g["completions"]))
-                box = [(buf.deal(groups, world), n_tok)]
-        except buf.Stopped as e:
-            box = [str(e)]  # why: every rank stops at this step boundary
+                n_tok = sum(int(c["mask"].sum()) for g in groups for c in g["completions"])
+                msg = {"shares": buffer.deal(groups, world), "n_tok": n_tok}
+            except buffer.Stopped as e:
+                msg = {"stop": str(e)}  # every rank stops at this step boundary
+        box = [msg]
         dist.broadcast_object_list(box, src=0, group=batches)
-        if isinstance(box[0], str):  # between two steps, where the state is whole
+        msg = box[0]
+        if "stop" in msg:  # between two steps, where the state is whole
             if ckpt_every:
                 save_checkpoint(version)
-            raise buf.Stopped(box[0])
-        mine, n_tok = box[0][0][rank], box[0][1]
+            raise buffer.Stopped(msg["stop"])
+        mine = L.micro_batches(msg["shares"][rank], micro_batch_tokens)
         # ---- 2. the loss and one optimizer step ----
-        t0, sums, borrowed = time.perf_counter(), torch.zeros(len(metrics.SUMS), device=device), 0
-        micro_batches = range(0, len(mine), micro_batch_groups)
-        for i in micro_batches:
-            if borrow:  # borrow_cpus: while every engine waits for weights, compute on its cores
-                borrowed += (lent := fleet.idle(version))
-                torch.set_num_threads(threads + borrow * lent)
-            # each backward reduce-scatters into the fp32 shards: no rank holds a full gradient
-            sums += micro_batch(mine[i:i + micro_batch_groups], step, n_tok)
+        t0 = time.perf_counter()
+        sums = torch.zeros(len(metrics.SUMS), device=device)
+        borrowed = 0  # micro-batches run on the engines' cores too (borrow_cpus)
+        for i, groups_i in enumerate(mine):
+            # the gradients reduce-scatter once, after the last backward; until then each rank
+            # keeps the whole weights, gathered by the first forward (loss.shard)
+            last = i == len(mine) - 1
+            policy.set_requires_gradient_sync(last)
+            policy.set_reshard_after_backward(last)
+            if borrow:  # every engine waits for the weights we train: compute on its cores too
+                engines_idle = fleet.idle(version)
+                torch.set_num_threads(threads + (borrow if engines_idle else 0))
+                borrowed += engines_idle
+            sums += micro_batch(groups_i, step, msg["n_tok"])
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         if not torch.isfinite(grad_norm):  # it would poison the weights, and vLLM's; every rank
@@ -211,7 +239,8 @@ try:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(sums)
-        t_train, version = time.perf_counter() - t0, step + 1
+        t_train = time.perf_counter() - t0
+        version = step + 1
         # ---- 3. the new weights to every engine ----
         t0 = time.perf_counter()
         push_weights(version)  # the overlap, 2 of 2: received beside generation, loaded as a copy
@@ -220,35 +249,42 @@ try:
         if master:
             log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
                      t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync,
-                     borrowed_frac=borrowed / len(micro_batches))
+                     borrowed_frac=borrowed / len(mine), micro_batches=len(mine))
             fleet.done.update(g["pos"] for g in seen)  # positions taken, for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version)
-    # ---- the end: the final eval; the model in Hugging Face format ----
-    full = {name: t.cpu() for name, t in full_weights(torch.float32)}
+    # ---- the end: the model in Hugging Face format; the final eval ----
+    full = {name: t.cpu() for name, t in full_weights(torch.float32)}  # every rank gathers
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
         policy.save_pretrained(out_dir, state_dict=full)
         if eval_every > 0:
             fleet.wait(lambda: any(e["version"] == max_steps for e in fleet.evals), timeout_s)
         log.close(fleet.evals)
-        fleet.stop(timeout_s)
-    for p in engines:
-        p.wait()  # another node's: they exit once rank 0 has its final eval and says so
+        fleet.stop(timeout_s)  # every engine, on every node, says bye and exits
+    wait_for(engines, timeout_s)  # another node's
+    # rank 0's store closes when it exits: every rank stops its heartbeat between two barriers,
+    # or one still beating would take the closing store for a dead rank 0
+    dist.barrier(group=batches)
+    heartbeat.stop()
+    dist.barrier()
 except Exception as error:  # a signal or a stall (Stopped), or an error: every process ends here
-    if isinstance(error, buf.Stopped) and master:
+    if isinstance(error, buffer.Stopped) and master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
         print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
         log.close(fleet.evals)  # the evals that came, and a tracker's run ends as finished
-    elif not isinstance(error, buf.Stopped):
-        try:
-            if master and isinstance(error, RuntimeError):  # a broken connection: a dead engine?
-                fleet.wait(lambda: False, sync.DEAD_S + 2)  # its exit, or its heartbeat's end
-            raise error
-        except Exception:
-            traceback.print_exc()
-    buf.kill(fleet.procs if master else engines)
-    sys.stdout.flush(), sys.stderr.flush()
+    elif not isinstance(error, buffer.Stopped):
+        if master and isinstance(error, RuntimeError):  # a broken connection: a dead engine?
+            try:  # give its exit code or missing heartbeat time to show: check_alive() names it
+                fleet.wait(lambda: False, sync.DEAD_S + 2)
+            except Exception as cause:
+                error = cause
+        traceback.print_exception(error)
+    kill(fleet.procs if master else engines)
+    sys.stdout.flush()
+    sys.stderr.flush()
     # not sys.exit: tearing down groups whose threads wait on a peer aborts, or hangs (NCCL)
-    os._exit(128 + stop_signal[0] if isinstance(error, buf.Stopped) and stop_signal else 1)
-dist.destroy_process_group()  # every engine has exited: fleet.stop() or p.wait() above
+    os._exit(128 + stop_signal[0] if isinstance(error, buffer.Stopped) and stop_signal else 1)
+if master:
+    fleet.close()  # the weight groups: shut down while their peers are gone, not left to hang
+dist.destroy_process_group()

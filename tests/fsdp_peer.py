@@ -1,9 +1,11 @@
 """Run by test_loss.py under torchrun: one optimizer step of FSDP2 (loss.shard, as train.py wraps
-it) on a fixed batch of groups whose completions have very different lengths, dealt out to the ranks
-as train.py deals them; ranks agree on the number of chunks (loss.agreed_chunks). Rank 0 saves the
-weights after the step, and pad_frac to OUT_FILE.pad_frac. An optional third argument "ckpt" turns
-on activation checkpointing.
-Usage: torchrun --nproc_per_node=W fsdp_peer.py MODEL_DIR OUT_FILE"""
+it) on a fixed batch of groups whose completions have very different lengths, dealt out to the
+ranks as train.py deals them, in packed micro-batches of at most 100 tokens, with train.py's
+gradient accumulation (loss.shard, and set_requires_gradient_sync / set_reshard_after_backward
+as train.py sets them). Rank 0 saves the weights after the step, and each rank's number of
+micro-batches to OUT_FILE.micro_batches. An optional third argument "ckpt" turns on activation
+checkpointing.
+Usage: torchrun --nproc_per_node=W fsdp_peer.py MODEL_DIR OUT_FILE [ckpt]"""
 import os
 import sys
 
@@ -23,23 +25,28 @@ loss.shard(model, torch.float32, checkpointing=sys.argv[3:] == ["ckpt"])
 opt = torch.optim.SGD(model.parameters(), lr=1.0)
 g = torch.Generator().manual_seed(0)
 ids = lambda n: torch.randint(5, 500, (n,), generator=g).tolist()
-lens = [[1, 2, 2, 3], [40, 41, 1, 3], [5, 6, 7, 8], [39, 2, 40, 1]]  # rank 1 gets the long ones
+lens = [[1, 2, 2, 3], [40, 41, 1, 3], [5, 6, 7, 8], [39, 2, 40, 1]]  # two short, two long
 groups = [{"prompt_ids": ids(5 + i),
-           "completions": [{"ids": ids(n), "mask": [1] * n, "reward": float(i == j)}
+           "completions": [{"ids": ids(n), "mask": [1] * n, "logprobs": [0.0] * n,
+                            "versions": [0] * n, "reward": float(i == j)}
                            for j, n in enumerate(ls)]}
           for i, ls in enumerate(lens)]
-n_tok, positions = float(sum(map(sum, lens))), torch.zeros(2, dtype=torch.float64)
-for grp in buffer.deal(groups, world)[rank]:  # one group per micro-batch (none is flat)
-    n_chunks = loss.agreed_chunks([grp], world, "cpu")
-    logp, mask, (computed, real) = loss.token_logprobs(model, [grp], 0.7, "cpu", n_chunks=n_chunks)
-    positions += torch.tensor([computed, real])
-    adv = loss.group_advantages(torch.tensor([c["reward"] for c in grp["completions"]]), 4)
-    out, _ = loss.grpo_loss(logp, logp.detach(), adv, mask, n_tok)
+n_tok = float(sum(map(sum, lens)))
+mine = loss.micro_batches(buffer.deal(groups, world)[rank], 100)
+for i, micro in enumerate(mine):
+    last = i == len(mine) - 1
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
+    batch = loss.to_device(loss.pack(micro), torch.device("cpu"))
+    logp = loss.token_logprobs(model, batch, 0.7)
+    adv = loss.group_advantages(batch["rewards"], 4)
+    out, _ = loss.grpo_loss(logp, logp.detach(), adv, batch["mask"], n_tok)
     (out * world).backward()
 opt.step()
 full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
-dist.all_reduce(positions)
-if rank == 0:  # the weights, and pad_frac: the padded share of the positions computed
+counts = [None] * world
+dist.all_gather_object(counts, len(mine))
+if rank == 0:  # the weights, and how many micro-batches each rank ran
     torch.save(full, sys.argv[2])
-    open(sys.argv[2] + ".pad_frac", "w").write(str(1 - (positions[1] / positions[0]).item()))
+    open(sys.argv[2] + ".micro_batches", "w").write(str(counts))
 dist.destroy_process_group()

@@ -106,11 +106,16 @@ def test_a_wait_reports_only_what_was_dropped_since_the_last_usable_group():
     assert reports and [len(gs) for _, gs in reports] == [1] + [0] * (len(reports) - 1)
 
 
-def test_rank_r_gets_groups_r_r_plus_w_and_flat_ones_only_as_filler():
-    live, flat = [group(0) for _ in range(3)], [group(0, (1.0, 1.0)), group(0, (0.0, 0.0))]
-    batch = [flat[0], live[0], live[1], flat[1], live[2]]
-    assert deal(batch, 1) == [live]  # flat groups cost no forward pass
-    # 4 = 2 per rank: every rank runs as many forwards; rank r gets r, r + 2
-    assert deal(batch, 2) == [[live[0], live[2]], [live[1], flat[0]]]
-    # an all-flat batch still steps (zero gradient, like the others)
-    assert deal(flat, 1) == [flat[:1]]
+def test_ranks_get_equal_tokens_and_flat_groups_only_as_filler():
+    def sized(n, rewards=(1.0, 0.0)):  # a group of n packed tokens: a prompt of n - 2, two answers
+        return {"version_min": 0, "prompt_ids": [1] * (n - 2),
+                "completions": [{"ids": [1, 2], "reward": r} for r in rewards]}
+    live = [sized(10), sized(40), sized(25), sized(20)]
+    flat = [sized(30, (1.0, 1.0)), sized(30, (0.0, 0.0))]
+    batch = [flat[0], *live[:2], flat[1], *live[2:]]
+    assert deal(batch, 1) == [[live[1], live[2], live[3], live[0]]]  # flat groups: no forward
+    # the longest first, each to the rank with the fewest tokens: 40 + 10 and 25 + 20
+    assert deal(batch, 2) == [[live[1], live[0]], [live[2], live[3]]]
+    # a rank that would have none runs a flat group (zero gradient): FSDP needs every rank
+    assert deal(batch, 5) == [[live[1]], [live[2]], [live[3]], [live[0]], [flat[0]]]
+    assert deal(flat, 1) == [flat[:1]]  # an all-flat batch still steps

@@ -96,45 +96,55 @@ def random_groups(vocab, lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(5, vocab, (n,), generator=g).tolist()
     return [{"prompt_ids": ids(7 + 4 * i),
-             "completions": [{"ids": ids(n), "mask": [1] * n} for n in ls]}
+             "completions": [{"ids": ids(n), "mask": [1] * n, "logprobs": [0.0] * n,
+                              "versions": [0] * n, "reward": 0.0} for n in ls]}
             for i, ls in enumerate(lens)]
 
 
-@pytest.mark.parametrize("model_kind, n_chunks, keep_mb", [
-    ("tiny", 0, 512), ("tiny", 9, 512), ("tiny-ckpt", 9, 512), ("vocab50k", 0, 512),
-    ("vocab50k", 0, 0)])
-def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_kind, n_chunks,
-                                                                   keep_mb, monkeypatch):
-    """The shared prompt cache, the length chunks (also split further, as FSDP ranks agree on a
-    count, with a dummy chunk when rows run out) and the output layer that scores only the sampled
-    tokens change nothing: every row, and the gradient of every weight, equal a plain full-logits
-    forward of prompt + completion alone."""
+def packed_logprobs(model, groups, temperature):
+    import loss
+    batch = loss.to_device(loss.pack(groups), torch.device("cpu"))
+    return loss.token_logprobs(model, batch, temperature), batch
+
+
+@pytest.mark.parametrize("model_kind, keep_mb", [
+    ("tiny", 512), ("tiny-ckpt", 512), ("vocab50k", 512), ("vocab50k", 0)])
+def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_kind, keep_mb,
+                                                                   monkeypatch):
+    """Two groups packed into one sequence (each prompt once, each completion attending to its
+    prompt and itself only), with grouped-query heads, and an output layer that scores only the
+    sampled tokens change nothing: every row, and the gradient of every weight, equal a plain
+    full-logits forward of prompt + completion alone."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     import loss
     if model_kind.startswith("tiny"):
         model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
         if model_kind == "tiny-ckpt":  # whole-layer activation checkpointing: recomputed, the same
             loss.checkpoint_layers(model)
-    else:  # a random 2-layer model with a 50k vocabulary, untied
+    else:  # a random 2-layer model with a 50k vocabulary, untied, 4 query heads on 2 KV heads
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50000, hidden_size=64,
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50000, hidden_size=128,
                                              intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=2,
+                                             num_attention_heads=4, num_key_value_heads=2,
                                              head_dim=32, tie_word_embeddings=False))
-    # several chunks, a one-token answer, two prompt lengths
+    model.set_attn_implementation("nanoasync_packed")
+    # a one-token answer, two prompt lengths
     lens = [[1, 17, 3, 30], [9, 2, 30, 30]]
     groups = random_groups(model.config.vocab_size, lens)
     # keep_mb=0 and 16-position output chunks: the output layer recomputes its softmax in backward,
     # chunk by chunk
     monkeypatch.setattr(loss.scoring.__wrapped__, "__defaults__",
-                        (16, 0) if keep_mb == 0 else (1024, 512))
-    logp, mask, (computed, real) = loss.token_logprobs(model, groups, 0.7, "cpu", n_chunks=n_chunks)
-    assert (logp.shape == (8, 30) and mask.sum() == sum(map(sum, lens))
-            and 0.7 < real / computed <= 1)
+                        (16, 0) if keep_mb == 0 else (1024, 2048))
+    logp, batch = packed_logprobs(model, groups, 0.7)
+    mask = batch["mask"]
+    assert logp.shape == (8, 30) and mask.sum() == sum(map(sum, lens))
+    # no padding: each prompt once, each completion but its last token
+    assert len(batch["ids"]) == 7 + 11 + sum(n - 1 for ls in lens for n in ls)
     w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))  # an arbitrary loss
     (logp * w).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    model.set_attn_implementation("sdpa")
     want = plain_logprobs(model, groups, 0.7)
     sum((r * w[i, :len(r)]).sum() for i, r in enumerate(want)).backward()
     for i, r in enumerate(want):
@@ -143,6 +153,15 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
         assert (logp[i, n:] == 0).all() and (mask[i, n:] == 0).all() and (mask[i, :n] == 1).all()
     for n, p in model.named_parameters():
         assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_micro_batches_hold_whole_groups_up_to_a_token_budget():
+    groups = random_groups(500, [[3, 3], [40, 41], [5, 6], [1, 2]])  # 7 + 4, 11 + 79, 15 + 9, 19 + 1
+    assert [loss_mod().tokens(g) for g in groups] == [11, 90, 24, 20]
+    batches = loss_mod().micro_batches(groups, 40)
+    assert [[groups.index(g) for g in b] for b in batches] == [[0], [1], [2], [3]]
+    batches = loss_mod().micro_batches(groups, 120)  # a larger group alone, never split
+    assert [[groups.index(g) for g in b] for b in batches] == [[0, 1], [2, 3]]
 
 
 def test_environment_tokens_never_reach_the_loss(tiny):
@@ -157,9 +176,12 @@ def test_environment_tokens_never_reach_the_loss(tiny):
         c["mask"] = [0 if a <= t < b else 1 for t in range(len(c["ids"]))]
         c["logprobs"] = [-1.0] * len(c["ids"])
 
+    model.set_attn_implementation("nanoasync_packed")
+
     def grads(where, shift):  # the loss's gradients, behaviour logprobs off by shift at `where`
         model.zero_grad()
-        logp, mask, _ = loss.token_logprobs(model, groups, 1.0, "cpu")
+        logp, batch = packed_logprobs(model, groups, 1.0)
+        mask = batch["mask"]
         behav = logp.detach().clone()  # on-policy: every weight 1, inside the bounds
         for i, c in enumerate(groups[0]["completions"]):
             for t, m in enumerate(c["mask"]):
@@ -178,25 +200,16 @@ def test_environment_tokens_never_reach_the_loss(tiny):
     assert not all(torch.allclose(base[n], model_tok[n]) for n in base)
 
 
-def test_chunks_split_to_an_agreed_count():
-    lengths = [30, 30, 17, 9, 3, 2, 1, 1]
-    plain = loss_mod().plan_chunks(lengths)
-    assert sorted(i for c in plain for i in c) == list(range(8))
-    for n in (len(plain), len(plain) + 2, 10):
-        chunks = loss_mod().plan_chunks(lengths, n_chunks=n)
-        assert (len(chunks) == n
-                and sorted(i for c in chunks for i in c if i is not None) == list(range(8)))
-
-
 def loss_mod():
     import loss
     return loss
 
 
 def test_two_ranks_with_very_different_lengths_step_like_one(tiny, tmp_path):
-    """FSDP2 over 2 gloo ranks, one with 1-3 token answers and one with ~40, each running as many
-    chunks as the other (not as wide), with whole-layer activation checkpointing: the same weights
-    after a step as 1 rank on the whole batch without it, and almost no padding."""
+    """FSDP2 over 2 gloo ranks, one with 1-3 token answers and one with ~40, packed into micro-batches
+    of at most 100 tokens, so that the ranks run different numbers of them (no collective between
+    micro-batches: gradients reduce once, weights stay gathered), with whole-layer activation
+    checkpointing: the same weights after a step as 1 rank on the whole batch without it."""
     import subprocess
     import sys
     from conftest import ROOT, free_port
@@ -208,5 +221,5 @@ def test_two_ranks_with_very_different_lengths_step_like_one(tiny, tmp_path):
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     for name in one:
         assert torch.allclose(one[name], two[name], atol=1e-6), name
-    # every row padded to the longest answer on any rank: 3x the real positions, pad_frac 0.67
-    assert float((tmp_path / "2.pt.pad_frac").read_text()) < 0.1
+    # rank 0: one micro-batch; rank 1: two (its groups do not fit in one)
+    assert (tmp_path / "2.pt.micro_batches").read_text() == "[1, 2]"

@@ -1,5 +1,5 @@
-"""One real rollout process driven by this test as trainer rank 0 would drive it (buffer.Rollouts,
-sync.push, sync.announce): new weights every 0.1 s while long answers are generated.
+"""One real rollout process driven by this test as trainer rank 0 would drive it (fleet.Fleet,
+sync.push, sync.broadcast_version): new weights every 0.1 s while long answers are generated.
 
 Odd versions make the policy sharply peaked, even versions exactly uniform (the final norm's weight
 zeroed: every logit is 0, whatever the KV cache holds), so each token's logprob says which weights
@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import buffer
+import fleet as fleet_mod
+from reward import is_flat
 import sync
 import tool_task
 from conftest import ROOT, free_port
@@ -41,15 +42,15 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
                max_turns=4)
     model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = sync.plan(meta)
-    fleet = buffer.Rollouts(cfg, plan, torch.device("cpu"), [[]], {}, lambda: False)
+    plan = sync.plan(meta, torch.float32)
+    fleet = fleet_mod.Fleet(cfg, plan, torch.device("cpu"), [[]], {}, lambda: False)
     try:
         for v in range(1, 13):
             time.sleep(0.1)
             scale = 0.0 if v % 2 == 0 else 40.0
             sync.push(fleet.sender, ((n, p * scale if n == "model.norm.weight" else p)
-                                     for n, p in model.named_parameters()), plan, v)
-            sync.announce(fleet.ctl, v)
+                                     for n, p in model.named_parameters()), v)
+            sync.broadcast_version(fleet.ctl, v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 8 and time.time() < deadline:
             fleet.check_alive()
@@ -58,7 +59,8 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
         groups = list(fleet.buffer.groups)
         fleet.stop(60)
     finally:
-        buffer.kill(fleet.procs)
+        fleet.close()
+        fleet_mod.kill(fleet.procs)
     uniform, mixed, tagged, turns = -math.log(model.config.vocab_size), 0, set(), []
     for g in groups:
         for c in g["completions"]:
@@ -97,9 +99,9 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
                max_staleness=0, eval_every=0, timeout_s=60, max_steps=1000)
     model = AutoModelForCausalLM.from_pretrained(tiny["untied"], dtype=torch.float32).eval()
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = sync.plan(meta)
+    plan = sync.plan(meta, torch.float32)
     states = [{k: v.clone() for k, v in model.state_dict().items()}]
-    fleet = buffer.Rollouts(cfg, plan, torch.device("cpu"), [[]], {}, lambda: [])
+    fleet = fleet_mod.Fleet(cfg, plan, torch.device("cpu"), [[]], {}, lambda: [])
     try:
         for v in range(1, 9):
             time.sleep(0.1)
@@ -108,8 +110,8 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.02)
             states.append({k: t.clone() for k, t in model.state_dict().items()})
-            sync.push(fleet.sender, model.named_parameters(), plan, v)
-            sync.announce(fleet.ctl, v)
+            sync.push(fleet.sender, model.named_parameters(), v)
+            sync.broadcast_version(fleet.ctl, v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 6 and time.time() < deadline:
             fleet.check_alive()
@@ -117,7 +119,8 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
         groups = list(fleet.buffer.groups)
         fleet.stop(60)
     finally:
-        buffer.kill(fleet.procs)
+        fleet.close()
+        fleet_mod.kill(fleet.procs)
     lived = [(g["prompt_ids"], c) for g in groups for c in g["completions"]
              if len(set(c["versions"])) > 1][:4]
     assert lived, "no completion lived through a load"
@@ -145,18 +148,19 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
     assert max(replay_err) < 1e-4 and final > 1e-3
 
 
-def test_each_engine_starts_its_share_of_the_budget_and_no_more(tiny):
+def test_the_engines_start_no_more_than_the_budget_and_share_it(tiny):
     """Two real engines, eta = 0, drop_flat: nearly every group of the random model is flat, so
-    each engine gives its ticket back as it sends it, and starts a replacement. Whenever a group
-    arrives, its engine has started at most its half of (v + 1) * batch_groups, v the newest
-    version announced, plus the flat groups it has sent; both engines generate at every version."""
+    each engine gives its start back as it sends it, and starts a replacement. Whenever a group
+    arrives, the two engines together have started at most (v + 1) * batch_groups, v the newest
+    version announced, plus the flat groups they have sent; both engines generate at every
+    version (each has its half reserved after a load, budget.py)."""
     cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=8,
                max_model_len=128, batch_groups=4, group_size=4, rollout_seqs=16, max_staleness=0,
                drop_flat=True, eval_every=0, timeout_s=60, max_steps=1000, rollout_engines=2)
     model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = sync.plan(meta)
-    fleet = buffer.Rollouts(cfg, plan, torch.device("cpu"), [[], []], {}, lambda: [])
+    plan = sync.plan(meta, torch.float32)
+    fleet = fleet_mod.Fleet(cfg, plan, torch.device("cpu"), [[], []], {}, lambda: [])
     arrived = [0]  # groups in the buffer when each version was announced
     try:
         for v in range(1, 7):
@@ -164,18 +168,19 @@ def test_each_engine_starts_its_share_of_the_budget_and_no_more(tiny):
             while len(fleet.buffer.groups) < arrived[-1] + 8 and time.time() < deadline:
                 fleet.check_alive()
                 time.sleep(0.05)
-            sync.push(fleet.sender, model.named_parameters(), plan, v)
+            sync.push(fleet.sender, model.named_parameters(), v)
             arrived.append(len(fleet.buffer.groups))
-            sync.announce(fleet.ctl, v)
+            sync.broadcast_version(fleet.ctl, v)
         groups = list(fleet.buffer.groups)
         fleet.stop(60)
     finally:
-        buffer.kill(fleet.procs)
-    flat, seen = [0, 0], set()
+        fleet.close()
+        fleet_mod.kill(fleet.procs)
+    flat, started, seen = [0, 0], [0, 0], set()
     for i, g in enumerate(groups):
         e, v = g["engine"], max(k for k, n in enumerate(arrived) if n <= i)
-        flat[e] += buffer.is_flat(g)
-        allowed = (v + 1) * 4 // 2  # its half: (v + 1) * batch_groups is even
-        assert g["rollout_started"] <= allowed + flat[e], (i, e, v, g["rollout_started"], flat)
+        flat[e] += is_flat(g)
+        started[e] = g["stats"]["rollout_started"]  # the other's: as of its last group, or fewer
+        assert sum(started) <= (v + 1) * 4 + sum(flat), (i, e, v, started, flat)
         seen.add((e, g["version_min"]))
     assert sum(flat) > 10 and seen >= {(e, v) for e in (0, 1) for v in range(5)}, (flat, seen)

@@ -1,7 +1,8 @@
 """Weights go from a trainer process into a real vLLM engine in another process: its worker is a
-rank of the weight group and receives them itself (sync.join, sync.stage, sync.load), through a
-broadcast or, colocated, through shared memory. After each push vLLM's sampled-token logprobs equal
-the trainer's own log_softmax(logits / T) on the new weights, and not on the old."""
+rank of the weight group and receives them itself (sync.join, sync.stage, sync.load), in
+buckets: staged while it generates, or paused (stage_weights=False: no copy, each bucket loaded
+as it comes), or, colocated, through shared memory. After each push vLLM's sampled-token logprobs
+equal the trainer's own log_softmax(logits / T) on the new weights, and not on the old."""
 import copy
 import json
 import os
@@ -23,21 +24,26 @@ def logprobs(model, prompt, completion, temperature=0.7):
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("kind, colocate", [("tied", False), ("untied", False), ("tied", True)])
-def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate):
+@pytest.mark.parametrize("kind, colocate, staged", [
+    ("tied", False, True), ("untied", False, True), ("tied", True, True), ("untied", False, False)])
+def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate, staged, monkeypatch):
     path = tiny[kind]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings == (kind == "tied")
     prompt = AutoTokenizer.from_pretrained(path).encode("What is 12 + 7?")
     port = free_port()
-    cfg = {"rollout_dtype": "float32", "colocate": colocate, "rollout_port": port, "timeout_s": 60}
+    cfg = {"rollout_dtype": "float32", "colocate": colocate, "rollout_port": port, "timeout_s": 60,
+           "stage_weights": staged}
+    monkeypatch.setattr(sync, "BUCKET", 2**16)  # several buckets; the embedding (128 KiB) alone
     store = sync.open_store("127.0.0.1", port, True, 60)
     store.set("prompt", json.dumps(prompt))
     peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path,
                              str(port), json.dumps(cfg)])
     try:
         meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied embedding once
-        sender = sync.Sender(store, sync.plan(meta), cfg, torch.device("cpu"), 1)
+        plan = sync.plan(meta, torch.float32)
+        assert len(plan) > 2 and any(len(weights) == 1 for _, _, weights in plan)
+        sender = sync.Sender(store, plan, cfg, torch.device("cpu"), 1)
         versions = [copy.deepcopy(model)]
         for k in (1, 2):
             torch.manual_seed(k)
@@ -45,7 +51,7 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate):
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
             store.set(f"push{k}", "1")
-            sync.push(sender, model.named_parameters(), sender.plan, k)
+            sync.push(sender, model.named_parameters(), k)
             versions.append(copy.deepcopy(model))
         assert peer.wait(timeout=60) == 0
         samples = json.loads(store.get("samples"))

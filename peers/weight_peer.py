@@ -1,0 +1,32 @@
+"""The vLLM side of bench.py's weight-sync ratio: a real engine whose worker joins the weight
+groups (sync.join), then, REPEATS times, loads a push (sync.load) and takes one raw broadcast of
+the same bytes on the same group. The trainer side is bench.weight_sync().
+Usage: python peers/weight_peer.py MODEL_DIR PORT REPEATS"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import rollout  # noqa: E402  (sets VLLM_ENABLE_V1_MULTIPROCESSING before vllm is imported)
+import sync  # noqa: E402
+
+
+def raw(worker, numel):  # one broadcast of numel floats on the weights group
+    worker.nanoasync["groups"][1].broadcast(torch.empty(numel), 0).wait()
+
+
+if __name__ == "__main__":
+    model, port, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    cfg = dict(model=model, rollout_dtype="float32", colocate=False, timeout_s=60, seed=0,
+               max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5,
+               tensor_parallel_size=1, kv_cache_gb=1, rollout_seqs=4, group_size=4, eval_n=0,
+               rollout_port=port, stage_weights=True, host="127.0.0.1", engines=1)
+    llm = rollout.make_llm(cfg, "cpu")
+    store = sync.open_store("127.0.0.1", port, False, 60)
+    llm.collective_rpc(sync.join, args=(cfg, 1))
+    for i in range(repeats):
+        store.wait([f"push{i}"])
+        llm.collective_rpc(sync.load)
+        store.wait([f"raw{i}"])
+        llm.collective_rpc(raw, args=(int(store.get("numel")),))
