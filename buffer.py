@@ -1,9 +1,6 @@
-"""buffer.py: the groups the engines sent, on trainer rank 0, until the trainer takes a batch.
-
-get() hands out usable groups in the order they came. It drops a group too stale to train (its
-engine may start a replacement: budget.py) and, with drop_flat, one whose rewards are all equal
-(no signal; its engine replaced it already). deal() splits a batch over the trainer ranks.
-
+"""buffer.py: the groups engines sent, on rank 0, until the trainer takes a batch: usable ones in
+the order they came, dropping those too stale to train (others may start: budget.py) and, with
+drop_flat, those whose rewards are all equal (no signal). deal() splits a batch over the ranks.
 Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission.
 """
 import threading
@@ -22,21 +19,20 @@ class Buffer:
     def __init__(self, max_staleness, drop_flat, on_discard=lambda group: None, stall_s=0):
         self.max_staleness = max_staleness
         self.drop_flat = drop_flat
-        self.on_discard = on_discard  # a stale group's budget goes back to its engine
-        self.stall_s = stall_s  # > 0: waiting this long with nothing usable stops the run
-        self.groups = []  # as they came; an exception here ends the wait (a dead producer)
+        self.on_discard = on_discard  # a stale group's start goes back to the budget
+        self.stall_s = stall_s  # > 0: this long with nothing usable stops the run
+        self.groups = []  # as they came; an exception: its producer died (get() raises it)
         self.cond = threading.Condition()
-        self.dropped = {"stale": 0, "flat": 0}  # counted over the run, for metrics
+        self.dropped = {"stale": 0, "flat": 0}  # over the run
 
-    def put(self, group):  # a group, or the exception that ended its producer (get() raises it)
+    def put(self, group):
         with self.cond:
             self.groups.append(group)
             self.cond.notify()
 
     def get(self, version, n_groups, check_alive=lambda: None, report=lambda text, groups: None):
         """-> (n_groups usable groups, every group taken out, seconds waited). check_alive()
-        each second; report() each min(60, stall_s / 3) s of waiting, with the groups dropped
-        since the last usable one."""
+        each second; report() each min(60, stall_s / 3) s, with what was dropped meanwhile."""
         check_alive()
         batch, seen = [], []
         dropped, reported = [], 0  # dropped since the last usable group; how many reported
@@ -62,7 +58,7 @@ class Buffer:
             seen.append(g)
             stale = version - g["version_min"] > self.max_staleness
             flat = self.drop_flat and is_flat(g)
-            if stale and not flat:  # its engine may start a replacement (a flat one's did)
+            if stale and not flat:  # its engine may start another (a flat one's did)
                 self.on_discard(g)
             why = "stale" if stale else "flat" if flat else None
             if why:
@@ -78,15 +74,14 @@ def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 
     kinds = Counter(f"flat at reward {g['completions'][0]['reward']:g}" if g["dropped"] == "flat"
                     else g["dropped"] for g in dropped)
     listed = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    return f"{len(dropped)} groups dropped since the last usable one" + (f": {listed}" * bool(kinds))
+    return f"{len(dropped)} groups dropped since the last usable one" + f": {listed}" * bool(kinds)
 
 
 def deal(groups, world_size):
-    """-> each rank's groups, the longest first, each to the rank with the fewest tokens so far
-    (a step lasts as long as its slowest rank). A flat group has no gradient: it goes only to a
-    rank that would have none, since every rank must run a forward and a backward (FSDP)."""
-    shares = [[] for _ in range(world_size)]
-    load = [0] * world_size
+    """-> each rank's groups: the longest first, each to the rank with the fewest tokens yet (a
+    step lasts as long as its slowest rank). A flat group has no gradient: it goes only to a rank
+    that would have none (FSDP: every rank runs a forward and a backward)."""
+    shares, load = [[] for _ in range(world_size)], [0] * world_size
     for g in sorted([g for g in groups if not is_flat(g)], key=tokens, reverse=True):
         r = load.index(min(load))
         shares[r].append(g)

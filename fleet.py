@@ -1,9 +1,6 @@
-"""fleet.py: the rollout engines of every node, seen from the trainer.
-
-place() gives each node's engines their GPUs (or CPU cores) and spawn() starts them. On trainer
-rank 0, Fleet sets up the store and the wires (sync.py), receives what every engine sends (its
-groups go into a Buffer, buffer.py), and knows whether every engine still runs. watch() makes
-every trainer rank beat and watch every other rank and engine of the run, on any node.
+"""fleet.py: every node's engines, as the trainer sees them. place() gives them GPUs or CPU
+cores, spawn() starts them; on rank 0 Fleet holds the store and wires (sync.py), puts what the
+engines send into a Buffer, and knows if each runs. watch(): each rank's heartbeat and watch.
 """
 import json
 import os
@@ -12,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 
 import budget
 import rollout
@@ -24,25 +22,23 @@ TORCHRUN_ENV = ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_
 
 
 def place(cfg, world, local_world, device, leader):
-    """-> (this node's engines' GPUs, after its trainer ranks; cores a lone CPU rank may borrow)."""
+    """-> (this node's engines' GPUs, after its ranks'; cores a lone CPU rank may borrow)."""
     import torch
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
     if device.type == "cpu":
-        cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's cores, as a GPU of its own would be
-        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0  # borrow_cpus
+        cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's, as its own GPU would be
+        borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0
         ours = os.sched_getaffinity(0) - cores
         if cores and not borrow:
             os.sched_setaffinity(0, ours)
-        # a thread per core of ours (torchrun sets OMP_NUM_THREADS for several ranks only, and
-        # OpenMP's default, every core, would put a spinning thread on vLLM's)
+        # a thread a core of ours (OpenMP's default, all cores, spins one on vLLM's)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or
                                   max(1, len(ours) // local_world)))
         return [[] for _ in range(E)] if leader else [], borrow
     torch.cuda.set_device(device)
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(
         map(str, range(torch.cuda.device_count())))
-    # NANOASYNC_SHARE_GPU=1 (bench.py --gpu on one GPU): the engines on the trainer's GPU, as
-    # separate processes, to check the separate-GPU path where only one GPU is lent
+    # NANOASYNC_SHARE_GPU=1: engines on the trainer's GPU, not colocated (bench.py --gpu)
     share = cfg["colocate"] or os.environ.get("NANOASYNC_SHARE_GPU") == "1"
     gpus, first = gpus.split(","), 0 if share else local_world
     if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
@@ -55,60 +51,63 @@ def place(cfg, world, local_world, device, leader):
     return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if leader else [], 0
 
 
-def spawn(cfg, engine_gpus, first, engines, host):
+def spawn(cfg, engine_gpus, first, engines, host, plan):
     """This node's engines, numbered first, first + 1, ..., as processes (not torchrun ranks)."""
+    import torch
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # workers: sync
-               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine core in-process: rollout.tag()
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # its core in-process: per-token tags
     if spec := cfg["rollout_cpus"]:
         env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(rollout.cpus(spec))))
     if cfg["rollout_dtype"] == "float32":  # a GPU's Triton attention: IEEE fp32, not TF32
         env.setdefault("TRITON_F32_DEFAULT", "ieee")
-    cfg = json.dumps(dict(cfg, engines=engines, host=host))
+    share = cfg["gpu_memory_utilization"]
+    if torch.cuda.is_available() and not cfg["colocate"] and sync.staged(cfg):
+        # the weights' staging copy is on vLLM's GPU: count it in vLLM's share
+        size = sum(n for _, n, _ in plan) * getattr(torch, cfg["rollout_dtype"]).itemsize
+        share -= size / torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if share < 0.05:
+            die(f"the weights' staging copy ({size / 2**30:.1f} GiB) leaves vLLM too little of "
+                f"gpu_memory_utilization={cfg['gpu_memory_utilization']}: raise it, or "
+                "--stage_weights=False (paused pushes, no copy)")
+    cfg = json.dumps(dict(cfg, engines=engines, host=host, gpu_memory_utilization=share))
     return [subprocess.Popen([sys.executable, f"{rollout.ROOT}/rollout.py", cfg, str(first + e)],
                              env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
             for e, gpus in enumerate(engine_gpus)]
 
 
-def watch(cfg, rank, world, local_world, nodes, engines=(), grace_s=0):
-    """Every trainer rank: its heartbeat in rank 0's store, and a watch on every other rank's and
-    every engine's (sync.Heartbeat). `engines`: the processes this rank started on another node,
-    whose deaths it reports with their exit codes."""
-    E = cfg["rollout_engines"]
+def watch(cfg, rank, world, local_world, nodes, engines=()):
+    """Rank `rank`'s heartbeat, watching every other rank and engine (and if it leads another
+    node, its `engines`' exits)."""
+    E, node = cfg["rollout_engines"], rank // local_world
     peers = {f"rank{r}": f"trainer rank {r} (node {r // local_world})"
              for r in range(world) if r != rank}
     peers.update({f"beat{e}": f"rollout process {e} (node {e // E})" for e in range(E * nodes)})
-    first = rank // local_world * E  # our engines' first number, if we lead another node
     return sync.Heartbeat(os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["rollout_port"],
-                          f"rank{rank}", peers, first_s=cfg["start_timeout_s"],
-                          loop_s=cfg["timeout_s"],
-                          every=lambda store: report_exits(engines, first, rank // local_world),
-                          grace_s=grace_s)
+                          f"rank{rank}", peers, cfg["start_timeout_s"], cfg["timeout_s"],
+                          lambda store: report_exits(engines, node * E, node))
 
 
-class Fleet:
-    """Trainer rank 0's end of every node's rollout processes: the store, the wires, what each
-    engine sends, and whether each still runs. The other ranks only join push_weights."""
-
+class Fleet:  # trainer rank 0's end of every engine (the other ranks only join pushes)
     def __init__(self, cfg, plan, device, engine_gpus, ckpt, stop_requested, nodes=1, world=1,
                  local_world=1):
-        self.engines = cfg["rollout_engines"] * nodes  # on every node
-        self.stop_requested = stop_requested  # -> the signals received: stop at the next step
-        self.evals = []  # engine 0's held-out evals, as they finish
-        self.stats = {}  # engine -> its counters (rollout.COUNTERS) in its last message
-        self.last = {}  # the counters at the last rollout_stats(), for rates since then
-        self.done = set(ckpt.get("done", []))  # prompt stream positions trained or dropped
-        self.next = ckpt.get("next", 0)  # every position below it is done
+        self.engines = cfg["rollout_engines"] * nodes
+        self.stop_requested = stop_requested  # -> the signals received
+        self.evals = []  # engine 0's, as they finish
+        self.stats = {}  # engine -> its counters in its last message
+        self.last = {}  # the counters at the last rollout_stats()
+        self.done = set(ckpt.get("done", []))  # prompt stream positions taken
+        self.next = ckpt.get("next", 0)  # every position below it is taken
         self.procs = []  # node 0's engines
         host, timeout = os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["timeout_s"]
-        try:  # port taken, or a rollout process died starting
+        try:  # port taken, or an engine died starting
             self.store = sync.open_store(host, cfg["rollout_port"], True, timeout)
             self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
                                                 "next": self.next, "done": sorted(self.done)}))
             keys = [f"rank{r}" for r in range(world)] + [f"beat{e}" for e in range(self.engines)]
-            self.store.multi_set(keys, [""] * len(keys))  # heartbeats not started yet
-            self.heartbeat = watch(cfg, 0, world, local_world, nodes, grace_s=sync.GRACE_S)
-            self.procs = spawn(cfg, engine_gpus, 0, self.engines, host)
+            self.store.multi_set(keys, [""] * len(keys))  # no heartbeat yet
+            self.heartbeat = watch(cfg, 0, world, local_world, nodes)
+            self.procs = spawn(cfg, engine_gpus, 0, self.engines, host, plan)
             joined = [f"joined{e}" for e in range(self.engines)]
             if not self.wait(lambda: self.store.check(joined), cfg["start_timeout_s"]):
                 raise TimeoutError(f"the engines did not start in start_timeout_s="
@@ -119,8 +118,8 @@ class Fleet:
         self.ctl, trajs = sync.connect(self.store, 0, self.engines, timeout)
         self.sender = sync.Sender(self.store, plan, cfg, device,
                                   self.engines * cfg["tensor_parallel_size"])
-        # a stale group's start goes back to the budget (budget.py): another may start
-        discard = lambda g: budget.give_back(self.store, g["engine"])
+        # a stale group's start goes back to the budget: another may start
+        discard = lambda g: budget.give_back(self.store)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped = dict(zip(("stale", "flat"), ckpt.get("dropped", [0, 0])))
         self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
@@ -129,18 +128,16 @@ class Fleet:
             r.start()
 
     def check_alive(self, stoppable=True):
-        """Raises if a signal came (but in a push: every rank must finish it), if one of our
-        engines exited, or if any rank or engine of the run went silent (the heartbeats)."""
+        """Raises for a signal (not in a push, which every rank must finish) or an exit of one
+        of our engines. (A silent rank or engine, of any node: the heartbeats end us.)"""
         if stoppable and self.stop_requested():
             raise Stopped(signal.Signals(self.stop_requested()[0]).name)
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
                 raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
                                    f"{p.returncode}; its output, if any, is above")
-        if self.heartbeat.dead:
-            raise RuntimeError(self.heartbeat.dead)
 
-    def receive(self, traj):  # thread: one engine's messages into the buffer, until its bye
+    def receive(self, traj):  # thread: an engine's messages into the buffer, until its bye
         try:
             while (msg := sync.recv_obj(traj, 1))["kind"] != "bye":
                 self.stats[msg["engine"]] = msg["stats"]
@@ -151,32 +148,28 @@ class Fleet:
         except Exception as e:
             self.buffer.put(RuntimeError(f"lost a rollout process: {e}"))
 
-    def idle(self, version):  # borrow_cpus: every engine waits for the weights after `version`
+    def idle(self, version):  # borrow_cpus: every engine waits for the next weights
         mark = str(version).encode()
         return all(self.store.get(f"idle{e}") == mark for e in range(len(self.procs)))
 
-    def resume_state(self):  # what a checkpoint needs to go on with the same prompt stream
-        while self.next in self.done:  # every position below next is taken
+    def resume_state(self):  # for a checkpoint: where the prompt stream goes on
+        while self.next in self.done:
             self.done.remove(self.next)
             self.next += 1
         return {"next": self.next, "done": sorted(self.done),
                 "dropped": [self.buffer.dropped["stale"], self.buffer.dropped["flat"]]}
 
     def rollout_stats(self):
-        """The engines' counters, summed; the mean share of its slots each engine's vLLM ran
-        (over its steps since the last call); the mean pause of their last loads."""
-        now = {e: dict(s) for e, s in self.stats.items()}
-        out = {k: sum(s[k] for s in now.values()) for k in rollout.COUNTERS}
-        fracs = []
-        for e, s in now.items():
-            steps = s["rollout_steps"] - self.last.get(e, {}).get("rollout_steps", 0)
-            running = s["rollout_running"] - self.last.get(e, {}).get("rollout_running", 0)
-            if steps:
-                fracs.append(running / steps)
+        """The engines' counters, summed; the share of its slots each engine's vLLM ran over
+        its steps since the last call (their mean); their last loads' mean pause."""
+        now, last = {e: dict(s) for e, s in self.stats.items()}, self.last
+        delta = lambda e, k: now[e][k] - last.get(e, {}).get(k, 0)
+        fracs = [delta(e, "rollout_running") / delta(e, "rollout_steps") for e in now
+                 if delta(e, "rollout_steps")]
         self.last = now
-        out["rollout_running_frac"] = sum(fracs) / len(fracs) if fracs else None
-        out["rollout_pause_s"] = sum(s["rollout_pause_s"] for s in now.values()) / len(now)
-        return out
+        return {**{k: sum(s[k] for s in now.values()) for k in rollout.COUNTERS},
+                "rollout_running_frac": sum(fracs) / len(fracs) if fracs else None,
+                "rollout_pause_s": sum(s["rollout_pause_s"] for s in now.values()) / len(now)}
 
     def wait(self, done, timeout_s):  # -> done(), checked every 0.1 s, at most timeout_s
         deadline = time.time() + timeout_s
@@ -185,37 +178,29 @@ class Fleet:
             time.sleep(0.1)
         return done()
 
-    def stop(self, timeout_s):  # every engine, on every node, says bye; then ours exit
+    def stop(self, timeout_s):  # every engine, on every node, says bye; ours exit
         sync.broadcast_version(self.ctl, -1)
         for r in self.receivers:
             r.join(timeout_s)
-        wait_for(self.procs, timeout_s)
+        kill(self.procs, timeout_s)
 
-    def close(self):  # a clean end, once every rank has stopped watching
+    def close(self):  # a clean end, once every rank stopped watching
         self.heartbeat.stop()
         self.sender.close()
 
 
 def report_exits(procs, first, node):  # another node's engines: which died, and how
     for e, p in enumerate(procs, first):
-        if p.poll() is not None and p.returncode != 0 and not hasattr(p, "reported"):
+        if p.poll() not in (None, 0) and not hasattr(p, "reported"):
             p.reported = True
             print(f"error: rollout process {e} (node {node}, pid {p.pid}) exited with code "
                   f"{p.returncode}", file=sys.stderr, flush=True)
 
 
-def wait_for(procs, timeout_s):  # engines told to stop: bounded, then killed
+def kill(procs, timeout_s=0):  # engines told to stop get timeout_s to exit, then no more
     deadline = time.time() + timeout_s
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            print(f"error: rollout process pid {p.pid} did not stop in {timeout_s} s: killed",
-                  file=sys.stderr, flush=True)
-    kill(procs)
-
-
-def kill(procs):
-    for p in procs:
+        with suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.01, deadline - time.time()))
         p.kill()  # a no-op once it exited
         p.wait()

@@ -1,17 +1,14 @@
 """loss.py: the trainer's logprobs of the sampled tokens, and the GRPO loss on stale samples.
-
   A_i   = r_i - mean(r of the group)
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
   w_i   = the geometric mean of rho_t over completion i, 0 outside [low, high] = [1/8, 3]
   loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
-
-One optimizer step a batch, so a PPO clip would never bind on fresh tokens; the bounds act on
-stale ones. A micro-batch is one packed sequence with no padding: each group's prompt once, then
-each of its completions, and an attention that lets a completion see only its prompt and itself.
+One optimizer step a batch: a PPO clip would never bind on fresh tokens; the bounds act on stale.
+A micro-batch is one sequence, no padding: each prompt once, then its completions, each seeing
+its prompt and itself only.
 """
 import inspect
 import math
-from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -22,8 +19,7 @@ from transformers import AttentionInterface
 
 
 def tokens(group):  # the positions a group takes in a packed micro-batch
-    comps = group["completions"]
-    return len(group["prompt_ids"]) + sum(len(c["ids"]) - 1 for c in comps)
+    return len(group["prompt_ids"]) + sum(len(c["ids"]) - 1 for c in group["completions"])
 
 
 def micro_batches(groups, budget):
@@ -39,62 +35,53 @@ def micro_batches(groups, budget):
 
 
 def pack(groups):
-    """One micro-batch as one sequence, on the host (numpy), for token_logprobs().
-
-    A completion's last token is predicted, never read: only its others are inputs. Attention
-    runs segment by segment: a prompt over itself, then each completion over its prompt and
-    itself. `keys` lists, segment after segment, the positions each one attends to; `cu_q` and
-    `cu_k` are where the segments start among the queries and among the keys (as FlashAttention's
-    varlen kernels take them). Completion token t is predicted at position `src`: the prompt's
-    last for t = 0, else the completion's own t - 1. C completions, T the longest."""
-    ids, pos, keys, src, segments = [], [], [], [], []
-    start = n_keys = 0
+    """A micro-batch as one sequence, on the host; a completion's last token is never read.
+    Attention goes by segments (a prompt over itself, a completion over its prompt and itself):
+    `keys` lists each one's keys in a row, `cu_q` and `cu_k` where each starts (as FlashAttention
+    takes them). Token t of a completion is predicted at `src`: its prompt's last position for
+    t = 0, else its own t - 1."""
+    ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: each segment's (queries, keys)
     for g in groups:
         P = len(g["prompt_ids"])
-        prompt = np.arange(start, start + P)
+        prompt = np.arange(sum(map(len, ids)), sum(map(len, ids)) + P)
         ids.append(g["prompt_ids"])
         pos.append(np.arange(P))
         keys.append(prompt)
-        segments.append((start, start + P, n_keys, n_keys + P))
-        start += P
-        n_keys += P
+        sizes.append((P, P))
         for c in g["completions"]:
             n = len(c["ids"]) - 1
-            own = np.arange(start, start + n)
+            own = np.arange(sum(map(len, ids)), sum(map(len, ids)) + n)
             ids.append(c["ids"][:-1])
             pos.append(np.arange(P, P + n))
             src.append(np.concatenate([prompt[-1:], own]))
-            if n:  # a one-token answer reads nothing: it makes no segment
+            if n:  # a one-token answer reads nothing: no segment
                 keys += [prompt, own]
-                segments.append((start, start + n, n_keys, n_keys + P + n))
-            start += n
-            n_keys += P + n if n else 0
+                sizes.append((n, P + n))
+    cu_q, cu_k = np.cumsum([(0, 0)] + sizes, axis=0).T
     comps = [c for g in groups for c in g["completions"]]
     C, T = len(comps), max(len(c["ids"]) for c in comps)
     padded = lambda key, dtype: np.stack([np.pad(np.asarray(c[key], dtype), (0, T - len(c[key])))
                                           for c in comps])
-    lengths = np.array([len(c["ids"]) for c in comps])
     return dict(
         ids=np.concatenate(ids).astype(np.int64),  # [L] the packed sequence
         pos=np.concatenate(pos).astype(np.int64),  # [L] its positions for RoPE
         keys=np.concatenate(keys).astype(np.int64),  # [K]
-        segments=segments,  # [(first query, end, first key, end)], a tuple a segment
-        cu_q=np.array([s[0] for s in segments] + [start], np.int32),  # [S + 1]
-        cu_k=np.array([s[2] for s in segments] + [n_keys], np.int32),
-        src=np.concatenate(src).astype(np.int64),  # [N] every completion token's predictor
+        segments=list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
+                          cu_k[1:].tolist())),  # [(first query, end, first key, end)]
+        cu_q=cu_q.astype(np.int32), cu_k=cu_k.astype(np.int32),  # [S + 1]
+        src=np.concatenate(src).astype(np.int64),  # [N], N: the completions' tokens
         targets=np.concatenate([c["ids"] for c in comps]).astype(np.int64),  # [N]
-        # where each of the N lands in [C, T]: row c, column t, as c * T + t
-        at=np.concatenate([c * T + np.arange(n) for c, n in enumerate(lengths)]),
-        behav=padded("logprobs", np.float32),  # [C, T] vLLM's logprobs, 0 past the end
-        versions=padded("versions", np.int64),  # [C, T] the version that sampled each token
-        mask=padded("mask", np.float32),  # [C, T] 1: the model's token; 0: a tool's, or past the end
+        at=np.concatenate([c * T + np.arange(len(comps[c]["ids"])) for c in range(C)]),  # in C x T
+        behav=padded("logprobs", np.float32),  # [C, T] vLLM's, 0 past the end
+        versions=padded("versions", np.int64),  # [C, T] the version that sampled each
+        mask=padded("mask", np.float32),  # [C, T] 1: the model's token (not a tool's, not past)
         rewards=np.array([c["reward"] for c in comps], np.float32),  # [C]
         C=C, T=T)
 
 
 def to_device(batch, device):
-    """Every array to `device`. On a GPU from pinned memory, without blocking: a blocking copy
-    would make the host wait for the micro-batch before (the device's queue would run dry)."""
+    """The arrays to `device`; on a GPU from pinned memory, not blocking (a blocking copy waits
+    for the work queued before: the device's queue would run dry)."""
     out = dict(batch)
     for k, x in batch.items():
         if isinstance(x, np.ndarray):
@@ -107,14 +94,14 @@ VARLEN = True  # FlashAttention's varlen kernel where it runs (bench.py --traine
 
 
 def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
-    """HF's attention interface, over a packed micro-batch (pack()): q [1, H, L, D], k and v
-    [1, Hkv, L, D] -> [1, L, H, D]. Causal within a segment, its queries aligned to the end of
-    its keys (a completion's first query sees the whole prompt). HF builds no mask for it."""
+    """HF's attention interface over pack(): q [1, H, L, D], k, v [1, Hkv, L, D] -> [1, L, H, D].
+    Causal in a segment, its queries at the end of its keys (a completion's first one sees its
+    whole prompt). HF builds no mask for an implementation of ours."""
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
     k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]: each segment's keys in a row
     if VARLEN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # FlashAttention
         return varlen(q, k, v, packed, scaling)[None], None
-    out = torch.empty_like(q)  # CPU (and fp32): the same segments, an SDPA call each
+    out = torch.empty_like(q)  # CPU, fp32: the same segments, an SDPA call each
     for q0, q1, k0, k1 in packed["segments"]:
         causal = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
         seg = [x.transpose(0, 1) for x in (q[q0:q1], k[k0:k1], v[k0:k1])]  # [heads, n, D]
@@ -125,10 +112,8 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
 
 
 def varlen(q, k, v, packed, scaling):
-    """torch's FlashAttention-2 varlen kernel. Its causal mask is aligned bottom-right (query i
-    of a segment sees keys up to i + its keys - its queries), and it serves grouped-query heads
-    itself (query head h reads KV head h // (H / Hkv), as HF's repeat_kv). torch 2.13 asks for
-    enable_gqa=True; 2.11 has no such flag and no check."""
+    """torch's FlashAttention-2 varlen kernel: causal aligned bottom-right; grouped-query heads
+    served as HF's repeat_kv does (2.13 asks for enable_gqa; 2.11 has no such flag)."""
     from torch.nn.attention.varlen import varlen_attn
     gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
     max_q = max(q1 - q0 for q0, q1, _, _ in packed["segments"])
@@ -140,17 +125,15 @@ def varlen(q, k, v, packed, scaling):
 AttentionInterface.register("nanoasync_packed", packed_attention)
 
 
-def mm32(a, b):  # a @ b with fp32 sums and result; on a GPU from bf16 at tensor-core speed
+def mm32(a, b):  # a @ b with fp32 sums and result (on a GPU: from bf16, on tensor cores)
     if a.is_cuda and a.dtype != torch.float32:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
 class SampledLogprob(torch.autograd.Function):
-    """log_softmax(h @ w.T / T)[ids] with fp32 logits, `rows` positions at a time. bf16 logits
-    would round each to 3 digits, where vLLM's differ (its output layer runs in fp32 too); and
-    fp32 weights on a GPU would take the slow fp32 path. Past keep_mb of logits the backward
-    pass computes them again instead of keeping them."""
+    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time, in fp32: bf16 logits round to
+    3 digits, and vLLM's output layer runs in fp32 too. Unless `keep`, backward recomputes."""
 
     @staticmethod
     def forward(ctx, h, w, ids, temperature, rows, keep):
@@ -180,31 +163,23 @@ class SampledLogprob(torch.autograd.Function):
         return grad_h, grad_w.to(w.dtype), None, None, None, None
 
 
-@contextmanager
-def scoring(net, src, targets, temperature, rows=1024, keep_mb=2048):
-    """For one forward call the output layer returns the logprobs of `targets` [N] at the
-    positions `src` [N], not [L, V] logits (SampledLogprob). A patched forward, not a call of
-    the body and then the head: FSDP's hooks on the root must gather the head's weights."""
+def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
+    """One forward of pack() on the device -> logp [C, T], 0 past each completion's end. For the
+    call, the output layer returns the sampled tokens' logprobs [N], not [L, V] logits (patched,
+    not called after the body: FSDP's hooks on the root gather its weights)."""
     head = net.get_output_embeddings()
+    packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k")}  # for the attention
 
-    def forward(h):  # [1, L, hidden] -> [N]
-        x = h[0, src]
-        keep = len(x) * head.weight.shape[0] * 4 <= keep_mb * 2**20
-        return SampledLogprob.apply(x, head.weight, targets, temperature, rows, keep)
-    head.forward = forward
+    def sampled(h):  # [1, L, hidden] -> [N]
+        x = h[0, batch["src"]]
+        keep = len(x) * head.weight.shape[0] * 4 <= keep_mb * 2**20  # fp32 logits' bytes
+        return SampledLogprob.apply(x, head.weight, batch["targets"], temperature, rows, keep)
+    head.forward = sampled
     try:
-        yield
+        lp = net(input_ids=batch["ids"][None], position_ids=batch["pos"][None], use_cache=False,
+                 packed=packed).logits
     finally:
         del head.forward
-
-
-def token_logprobs(net, batch, temperature):
-    """One forward of a packed micro-batch (pack(), on the device) -> logp [C, T]: each
-    completion's tokens' logprobs under the policy at `temperature`, 0 past its end."""
-    packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k")}  # for the attention
-    with scoring(net, batch["src"], batch["targets"], temperature):
-        lp = net(input_ids=batch["ids"][None], position_ids=batch["pos"][None], use_cache=False,
-                 packed=packed).logits  # [N]
     logp = torch.zeros(batch["C"] * batch["T"], device=lp.device, dtype=lp.dtype)
     return logp.index_put((batch["at"],), lp).view(batch["C"], batch["T"])
 
@@ -215,10 +190,10 @@ def group_advantages(rewards, group_size):  # no division by the std (the result
 
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
-    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks add up to
-    its token mean). -> (loss, tokens whose weight was bounded)"""
+    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks add up
+    to its token mean). -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
-    # one ratio per completion: its tokens' geometric mean (ahead of per-token ratios on average)
+    # one ratio per completion, its tokens' geometric mean (per token did worse: the results log)
     n = mask.sum(1, keepdim=True).clamp(min=1)
     log_rho = ((logp.detach() - behav) * mask).sum(1, keepdim=True) / n
     bounded = ((log_rho > math.log(high)) | (log_rho < math.log(low))) & (mask > 0)
@@ -228,18 +203,15 @@ def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
     return (per_tok * mask).sum() / n_tokens, bounded
 
 
-def checkpoint_layers(net):
-    """Activation checkpointing: each decoder layer keeps only its input, and runs again in the
-    backward pass."""
+def checkpoint_layers(net):  # each decoder layer keeps its input only, and runs again in backward
     for layer in net.model.layers:
         layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def shard(net, dtype, checkpointing=False):
-    """FSDP2: each decoder layer, then the root; fp32 master weights and gradient reduction,
-    `dtype` compute, and the packed attention. Weights stay gathered from a step's first forward
-    to its last backward (train.py: set_reshard_after_backward), not gathered again for each
-    micro-batch: 2 bytes a parameter more on each rank, and no collective between micro-batches."""
+    """FSDP2 on each decoder layer and the root: fp32 master weights and gradient reduction,
+    `dtype` compute, the packed attention. Weights stay gathered through a step (train.py): no
+    collective between micro-batches, for 6 bytes a parameter a rank (weights, fp32 grads)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     net.set_attn_implementation("nanoasync_packed")
     if checkpointing:

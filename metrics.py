@@ -1,12 +1,12 @@
 """metrics.py: rank 0's log: metrics.jsonl (a row per step and per eval), samples.jsonl (answers of
-each step, and of dropped groups while waiting) and the console. README: the keys worth watching."""
+each step, and of groups dropped while waiting) and the console. README: the keys worth watching."""
 import importlib
 import json
 import os
 import time
 from statistics import fmean as mean
 
-# per-token sums each rank adds up over its micro-batches, all-reduced once per step
+# per-token sums each rank adds up over its micro-batches, all-reduced once a step
 SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "whole", "shift_whole",
         "k3_whole")
 
@@ -17,11 +17,10 @@ def token_sums(loss, bounded, logp, behav, mask, fresh):
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
     whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # all by them, tokens and KV cache
     log_rho = logp.detach() - behav
-    shift = log_rho.abs()  # ~1e-7 on whole completions in fp32
-    # k3 = rho - 1 - log rho: an unbiased, never negative estimate of KL(vLLM || trainer)
+    # k3 = rho - 1 - log rho: an unbiased estimate of KL(vLLM || trainer), never negative
     k3 = torch.expm1(log_rho) - log_rho
-    parts = (loss.detach(), fresh, bounded & stale, stale, shift * fresh, whole, shift * whole,
-             k3 * whole)
+    parts = (loss.detach(), fresh, bounded & stale, stale, log_rho.abs() * fresh, whole,
+             log_rho.abs() * whole, k3 * whole)
     return torch.stack([x.float().sum() for x in parts])
 
 
@@ -38,8 +37,11 @@ def reopen(path, start):  # resumed: the lines before the checkpoint stay; line-
 
 class Log:
     def __init__(self, cfg, start, ckpt):
-        self.cfg, self.run = cfg, cfg["tracker"] and importlib.import_module(cfg["tracker"]).init(
-            project="nanoasync", name=os.path.basename(os.path.abspath(cfg["out_dir"])), config=cfg)
+        self.cfg, self.run = cfg, None  # run: the tracker's (wandb and trackio: one API)
+        if cfg["tracker"]:
+            self.run = importlib.import_module(cfg["tracker"]).init(
+                project="nanoasync", name=os.path.basename(os.path.abspath(cfg["out_dir"])),
+                config=cfg)
         self.t_start = time.perf_counter() - ckpt.get("elapsed_s", 0.0)
         self.gen_tokens = ckpt.get("gen_tokens", 0)
         self.metrics = reopen(f"{cfg['out_dir']}/metrics.jsonl", start)
@@ -49,16 +51,17 @@ class Log:
         return {"gen_tokens": self.gen_tokens, "elapsed_s": time.perf_counter() - self.t_start}
 
     def step(self, step, groups, seen, sums, fleet, **extra):
-        """groups: the trained batch; seen: every group taken from the buffer; sums: SUMS."""
+        """groups: the batch trained; seen: every group taken from the buffer; sums: SUMS."""
         s, comps = dict(zip(SUMS, sums)), [c for g in groups for c in g["completions"]]
-        stale, n = [step - int(c["versions"].min()) for c in comps], [len(c["ids"]) for c in comps]
+        stale = [step - int(c["versions"].min()) for c in comps]
+        n = [len(c["ids"]) for c in comps]
         self.gen_tokens += int(sum(c["mask"].sum() for g in seen for c in g["completions"]))
         m = {"step": step, "version": step + 1, "samples": (step + 1) * len(comps),
              "reward_mean": mean([c["reward"] for g in seen for c in g["completions"]]),
              "response_len_mean": mean(n),
              "staleness_mean": mean(stale), "staleness_max": max(stale),
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(fleet.engines)],
-             # the health metric: a jump means the weights or the sampled distribution are wrong
+             # the health metric: a jump means wrong weights or a wrong sampled distribution
              "loss": s["loss"], "logprob_mismatch": ratio(s["shift_whole"], s["whole"]),
              "logprob_kl_k3": ratio(s["k3_whole"], s["whole"]),
              # fresh tokens of completions that lived through a load: old weights made their KV
@@ -66,8 +69,8 @@ class Log:
                                              s["fresh"] - s["whole"]),
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
              "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
-             "turns_mean": mean([c["turns"] for c in comps]),  # model turns: tool calls + 1
-             "env_token_frac": 1 - sum(c["mask"].sum() for c in comps) / sum(n),  # the tools' share
+             "turns_mean": mean([c["turns"] for c in comps]),  # tool calls + 1
+             "env_token_frac": 1 - sum(c["mask"].sum() for c in comps) / sum(n),  # the tools'
              "train_tokens_per_s": (s["fresh"] + s["stale"]) / extra["t_train_s"],
              **{f"dropped_{why}": n for why, n in fleet.buffer.dropped.items()},
              "prompts": sorted(g["pos"] for g in groups), **self.state(), **extra,
@@ -88,7 +91,7 @@ class Log:
                                   c["reward"], "versions": sorted(set(c["versions"].tolist()))}),
                       file=self.completions)
 
-    def waiting(self, text, groups):  # buffer.get: a wait with nothing to train, what it dropped
+    def waiting(self, text, groups):  # buffer.get waits with nothing to train: what it dropped
         print(text, flush=True)
         for g in groups[-2:]:
             self.sample([g], dropped=g["dropped"])
@@ -96,15 +99,15 @@ class Log:
     def evals(self, evals):
         while evals:
             e = evals.pop(0)
-            lo, hi = e["eval_versions"]  # it runs across loads: the weights its tokens came from
+            lo, hi = e["eval_versions"]  # it ran across loads: the weights its tokens came from
             print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} "
                   f"(n={e['eval_n']}, weights {lo}..{hi})", flush=True)
             self.write({"step": e["version"], "elapsed_s": e["t"] - self.t_start, **{
                 k: e[k] for k in e if k == "version" or k.startswith("eval_")}})
 
-    def write(self, m):  # a metrics.jsonl row, and the tracker's (wandb and trackio: one API)
+    def write(self, m):  # a metrics.jsonl row, and the tracker's
         print(json.dumps(m), file=self.metrics)
-        if self.cfg["tracker"] == "trackio":  # it reserves "step" for its own, which may repeat
+        if self.cfg["tracker"] == "trackio":  # it keeps "step" for its own, which may repeat
             self.run.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
         elif self.run:  # wandb's own step must grow: an eval shares m["step"] with a step's row
             self.run.log(m)

@@ -1,8 +1,7 @@
-"""reward.py: the tasks and the processes that run their code. A task (load_task) is its problems
-(train and eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward and optionally
-turn(text, answer) -> the tool's words after a model turn (appended; the model goes on) or None
-(final). calculator's word problems call a calculator; rg:NAME is any reasoning-gym dataset.
-Grades and tools run in worker processes beside the engine loop; one past its time limit is killed
+"""reward.py: the tasks and the processes that run their code. A task (load_task) is problems
+(train and eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward and maybe
+turn(text, answer) -> the tool's words after a model turn (the model goes on), or None (final).
+Grades and tools run in worker processes beside the engine loop; one past its time limit dies
 with its process (sympy can spin in C, where no signal reaches). Simplifications: reward 1 or 0
 (rg: its scorer's); no format reward; a tool's words are plain text; a failed call ends it."""
 import ast
@@ -23,7 +22,7 @@ JSONL_HINT = "a jsonl file of {question, answer} lines"
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k's ask
 
 
-def problems(rows, instruction=""):  # {"question", "answer"} rows -> problems ("... #### 42": 42)
+def problems(rows, instruction=""):  # {"question", "answer"} rows ("... #### 42": 42)
     return [{"id": i, "prompt": (r["question"] + " " + instruction).strip(),
              "answer": str(r["answer"]).split("####")[-1].strip()} for i, r in enumerate(rows)]
 
@@ -71,7 +70,7 @@ def gsm8k(data_path, seed, n_eval, instruction=BOXED):
     return problems(train, instruction), problems(test[:n_eval], instruction)
 
 
-CALL = ("<calc>", "</calc>")  # a model turn that ends in <calc>12 * 34</calc> calls the calculator
+CALL = ("<calc>", "</calc>")  # a turn ending in <calc>12 * 34</calc> calls the calculator
 WORDS = ["Each of {a} boxes holds {b} pens. How many pens are there?",
          "A train travels {b} km every hour for {a} hours. How far does it go?",
          "A farm has {a} rows of {b} trees. How many trees are there?",
@@ -149,7 +148,7 @@ def rg_scorer(name):  # its dataset object, made once per grader process
     return reasoning_gym.get_score_answer_fn(name)
 
 
-def grade_rg(name, text, entry):  # the dataset's own scorer, on what the last <answer> tags hold
+def grade_rg(name, text, entry):  # the dataset's own scorer, on the last <answer> tags
     from reasoning_gym.utils import extract_answer
     return rg_scorer(name)(extract_answer(text), entry)
 
@@ -161,11 +160,11 @@ def load_task(cfg):
         (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
     elif cfg["task"] == "gsm8k":
         (train, test), grade = gsm8k(cfg["data_path"], cfg["seed"], cfg["eval_n"]), grade_math
-    elif cfg["task"] == "calculator":  # max_turns=1: the same questions, no calculator offered
+    elif cfg["task"] == "calculator":  # max_turns=1: the same questions, no calculator
         tool = cfg["max_turns"] > 1
         (train, test), grade = calculator(cfg["seed"], cfg["eval_n"], tool), grade_calculator
         turn, stop = (calculator_turn, CALL[1]) if tool else (None, None)
-    elif cfg["task"].startswith("rg:"):  # a problem's answer: its reasoning-gym entry, for grade_rg
+    elif cfg["task"].startswith("rg:"):  # an answer: its reasoning-gym entry, for grade_rg
         train, test = reasoning_gym(cfg["task"][3:], cfg["seed"], cfg["eval_n"])
         grade = functools.partial(grade_rg, cfg["task"][3:])
     else:
@@ -190,14 +189,14 @@ def grade_number(text, answer):
 
 def grade_math(text, answer):
     import logging
-    import math_verify  # its own timers (SIGALRM) are off: the time limit is the Workers' kill
+    import math_verify  # its timers (SIGALRM) off: the time limit is the Workers' kill
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": it is ours
     gold = math_verify.parse(answer, parsing_timeout=None)
     return float(math_verify.verify(gold, math_verify.parse(text, parsing_timeout=None),
                                     timeout_seconds=None))
 
 
-def safely(fn, text, answer):  # -> (result, failed): a grade's float, a tool's text or None
+def safely(fn, text, answer):  # -> (result, failed): a grade's float, a tool's text, None
     try:
         out = fn(text, answer)
         if isinstance(out, str) and len(out) > 10_000:  # a tool's words: more would never fit
@@ -211,13 +210,13 @@ def is_flat(group):  # every completion got the same reward: no signal for GRPO
     return len({c["reward"] for c in group["completions"]}) == 1
 
 
-def die_with_parent():  # a rollout or grader process: its parent, not a signal, ends it
+def die_with_parent():  # an engine or grader process: its parent, not a signal, ends it
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the whole process group
         signal.signal(sig, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent
 
 
-def _work_forever(conn):  # one worker process: [(fn, text, answer)] in, (result, failed) out
+def _work_forever(conn):  # a worker process: [(fn, text, answer)] in, (result, failed) out
     die_with_parent()  # the engine ends us
     while True:
         try:
@@ -234,7 +233,7 @@ class Workers:
 
     def __init__(self, workers=2, timeout_s=5.0):
         self.timeout_s = timeout_s
-        self.ctx = multiprocessing.get_context("spawn")  # the engine's process has threads: no fork
+        self.ctx = multiprocessing.get_context("spawn")  # the engine has threads: no fork
         self.queue = deque()  # (key, fn, text, answer) not sent yet
         self.pool = [self.start() for _ in range(workers)]
 
@@ -242,7 +241,7 @@ class Workers:
         conn, theirs = self.ctx.Pipe()
         proc = self.ctx.Process(target=_work_forever, args=(theirs,), daemon=True)
         proc.start()
-        # jobs: sent, ungraded; since: when the call at their head reached the worker (its clock)
+        # jobs: sent, not done; since: when the one at their head reached the worker
         return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}
 
     @property

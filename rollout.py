@@ -1,18 +1,12 @@
 """rollout.py: one process per vLLM engine, stepped by hand, never waiting for the trainer.
-
-Between two engine steps the loop copies in announced weights (received while it generated;
-requests in flight go on, each token tagged with the version that computed it), starts groups
-(budget.py), hands finished turns to the task's worker processes (reward.py) and sends graded
-groups to trainer rank 0. A turn the tool answers goes on as a new request over the dialogue, the
-tool's tokens included (context, never trained), up to max_turns. Engine 0 runs the evals too.
-
-Where a token's version lives: `spans` holds, per request, the versions its weights took over
-at (load() appends one); token_versions() turns them into one version a token when the request
-ends; a completion keeps them in `versions`, and the trainer compares them with its step.
-
-Simplifications: the engine core runs in this process (on a GPU vLLM's async scheduling keeps
-the device busy meanwhile); a group is n=1 requests sharing their prompt's KV cache; no top-k or
-top-p (the logprobs would be of a truncated distribution); no speculative decoding.
+Between two steps it copies in the weights announced (received while it generated; requests in
+flight go on), starts groups (budget.py), hands finished turns to worker processes (reward.py)
+and sends graded groups to rank 0. A turn the tool answers goes on as a new request over the
+dialogue, the tool's tokens as context. Engine 0 runs the evals too. A token's version: load()
+appends (version, first token) to each request's `spans`. Simplifications: the engine core in
+this process (on a GPU, vLLM's async scheduling keeps it busy meanwhile); a group is n=1
+requests sharing their prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated
+distribution); no speculative decoding.
 """
 import json
 import os
@@ -22,7 +16,6 @@ import sys
 import threading
 import time
 import traceback
-from typing import TypedDict
 
 import numpy as np
 
@@ -32,57 +25,40 @@ import sync
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat by the dozen
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
-# an engine's counters, summed over the run, sent with every message (pause: the last load's)
+# an engine's counts over the run, in every message (pause: its last load's)
 COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "
             "rollout_load_s rollout_pause_s rollout_grade_s rollout_steps rollout_running "
             "rollout_started").split()
 
-
-# ---- the record that travels from an engine to the trainer -------------------------------------
+# ---- the record an engine sends the trainer (finish_group() adds the rest) ----
 TOKENS = dict(ids=np.int32, logprobs=np.float32, versions=np.int32, mask=np.int32)  # per token
 
 
-class Completion(TypedDict):  # one answer, built turn by turn; the token fields become arrays
-    ids: np.ndarray  # its tokens, the model's and the tool's, in order
-    logprobs: np.ndarray  # vLLM's logprob of each under the distribution sampled (tool's: 0)
-    versions: np.ndarray  # the policy version that computed each (token_versions)
-    mask: np.ndarray  # 1: the model's token, trained; 0: the tool's, context only
-    text: str  # the answer as text, the tool's words included
-    turns: int  # model turns: tool calls + 1
-    cut: bool  # it reached max_new_tokens
-    reward: float  # its grade
+def completion():  # an answer, built turn by turn; TOKENS' lists go as arrays
+    return {"ids": [],  # its tokens, the model's and the tool's
+            "logprobs": [],  # vLLM's, of the distribution sampled (the tool's: 0)
+            "versions": [],  # the policy version that computed each
+            "mask": [],  # 1: the model's token, trained; 0: the tool's, context
+            "text": "",  # the tool's words included
+            "turns": 0,  # model turns: tool calls + 1
+            "cut": False}  # it reached max_new_tokens; then "reward", its grade
 
 
-class Group(TypedDict):  # one prompt and its group_size completions: what rank 0 trains on
-    kind: str  # "group" (an eval is "eval", the end "bye")
-    pos: int  # its prompt's place in the prompt stream all engines share: the group's id
-    prompt: str | list  # the prompt as the task gave it (text, or chat messages)
-    prompt_ids: list  # the prompt's tokens, chat template applied
-    completions: list  # of Completion
-    version_min: int  # its oldest token's version: its staleness when trained
-    engine: int  # who made it
-    stats: dict  # the engine's COUNTERS when it sent it
-
-
-def completion():  # an empty Completion, its token fields lists until finish_group()
-    return {**{key: [] for key in TOKENS}, "text": "", "turns": 0, "cut": False}
-
-
-def extend(c, ids, logprobs, versions, model):  # model: 1 (trained) or 0 (the tool's, context)
+def extend(c, ids, logprobs, versions, model):  # model: 1 trained, 0 the tool's (context)
     for key, xs in zip(TOKENS, (ids, logprobs, versions, [model] * len(ids))):
         c[key] += xs
 
 
-def token_versions(spans, n):  # spans: [(version, its first token)] in load order -> n versions
+def token_versions(spans, n):  # spans: [(version, its first token)], in load order
     versions = np.empty(n, np.int32)
     for version, first in spans:  # each load takes over from its first token on
         versions[first:] = version
     return versions.tolist()
 
 
-# ---- the engine ---------------------------------------------------------------------------------
+# ---- the engine ----
 def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
     lo, _, hi = spec.partition("-")
     return set(range(int(lo), int(hi or lo) + 1)) if spec else set()
@@ -96,27 +72,17 @@ def format_prompt(tok, prompt):  # a user's text, or chat messages -> token ids
     return tok.encode(text, add_special_tokens=False)
 
 
-def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
+def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
     from vllm import LLM
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
-    # room, and CUDA graphs, for the training sequences and engine 0's evals
+    # room (and CUDA graphs) for the training sequences and engine 0's evals
     seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)
-    share = cfg["gpu_memory_utilization"]
-    if device == "cuda" and cfg.get("staging_bytes"):  # the staging copy shares this GPU
-        import torch
-        copy = cfg["staging_bytes"] / torch.cuda.mem_get_info()[1]
-        if share - copy < 0.05:
-            raise ValueError(f"the staging copy of the weights takes {copy:.2f} of this GPU, and "
-                             f"gpu_memory_utilization={share} leaves vLLM too little: raise it, or "
-                             "--stage_weights=False (paused pushes, no copy)")
-        share -= copy  # counted in vLLM's share, which its KV cache fills
-    # processed_logprobs: those of the distribution actually sampled. The output layer in fp32,
-    # as the trainer's (loss.sampled_logprob). Prefix caching shares whole blocks: at the CPU
-    # default of 128 tokens a group's samples would each recompute their prompt
+    # processed_logprobs: of the distribution sampled; the output layer in fp32, as the
+    # trainer's; blocks of 32: prefix caching shares whole blocks (CPU's 128: none)
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"] + e,
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
-               gpu_memory_utilization=share, max_num_seqs=seqs,
+               gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
                tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
                hf_overrides={"head_dtype": "float32"}, enable_prefix_caching=True,
                block_size=32 if device == "cpu" else None, **extra,
@@ -124,9 +90,8 @@ def make_llm(cfg, device, e=0, **extra):  # engine e, here and in bench.py
 
 
 def stop_settings(tok, stop):
-    """How vLLM ends a turn that calls the tool. No tool: no stop. A stop that is one token: any
-    token whose text ends in it, by id (vLLM need not detokenize: the results log measured it).
-    Otherwise the text itself, and vLLM then detokenizes every token of these requests."""
+    """How vLLM ends a turn calling the tool: a one-token stop by the ids of all tokens ending
+    in it (no detokenizing: the results log measured it), another by its text."""
     if not stop:
         return dict(detokenize=False)
     if len(tok.encode(stop, add_special_tokens=False)) == 1:
@@ -135,41 +100,41 @@ def stop_settings(tok, stop):
     return dict(stop=stop, detokenize=True, include_stop_str_in_output=True)
 
 
-class Rollout:  # one engine's loop and its state between two engine steps
+class Rollout:  # an engine's loop, and its state between two engine steps
     def __init__(self, cfg, e):
         self.cfg, self.e = cfg, e
         self.start_engine()
         self.load_prompts()
         self.connect()
         self.groups = {}  # open groups by id: g{pos}, or eval{version}
-        self.spans = {}  # request id -> [(version, the first token it computed)] (token_versions)
-        self.pending = None  # a version announced, not yet loaded
-        self.holding = 0  # slots our training sequences hold: in vLLM, or in a tool call
-        self.in_vllm = 0  # training sequences in vLLM now (rollout_running_frac)
-        self.perm = {}  # epoch -> the order of its prompts (admit)
-        self.idle = ""  # our mark in the store: the version we wait for with nothing to do
+        self.spans = {}  # request id -> [(version, its first token)]
+        self.pending = None  # a version announced, not loaded yet
+        self.holding = 0  # slots our training sequences hold, in vLLM or a tool call
+        self.in_vllm = 0  # training sequences in vLLM now
+        self.perm = {}  # epoch -> the order of its prompts
+        self.idle = ""  # our mark in the store (mark_idle)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["skipped_long"] = self.skipped if e == 0 else 0
         self.budget = budget.Budget(self.store, cfg, e, self.v0)
-        self.inbox = queue.Queue()  # announced versions, from the receive thread
+        self.inbox = queue.Queue()  # versions announced, from receive()
         threading.Thread(target=self.receive, daemon=True).start()
 
-    def start_engine(self):  # vLLM, the task, its worker processes, how a turn ends
+    def start_engine(self):  # vLLM, the task, its workers, how a turn ends
         import torch
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.llm = make_llm(self.cfg, "cuda" if torch.cuda.is_available() else "cpu", self.e)
         self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
-        # steps launched but not yet returned by step(): 1 with async scheduling, else 0
+        # steps launched, not yet returned by step(): 1 with async scheduling
         self.lag = self.engine.vllm_config.max_concurrent_batches - 1
         self.task = reward.load_task(self.cfg)
         self.workers = reward.Workers(self.cfg["grader_workers"], self.cfg["reward_timeout_s"])
         ends = stop_settings(self.tok, self.task["stop"])
-        # finished turns only, flat logprobs, undecoded (step() decodes each turn once)
+        # finished turns only, flat logprobs, undecoded (step() decodes a turn)
         self.params = lambda greedy, room: SamplingParams(
             temperature=0.0 if greedy else self.cfg["temperature"], max_tokens=room, n=1,
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY, **ends)
 
-    def load_prompts(self):  # tokenized; a prompt too long to leave room for an answer is skipped
+    def load_prompts(self):  # tokenized; one leaving no room for an answer is skipped
         room = self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
         for p in self.task["train"] + self.task["eval"]:
             p["ids"] = list(format_prompt(self.tok, p["prompt"]))
@@ -180,26 +145,24 @@ class Rollout:  # one engine's loop and its state between two engine steps
             raise ValueError("no training prompt fits in max_model_len - max_new_tokens: "
                              "raise max_model_len or lower max_new_tokens")
 
-    def connect(self):  # the store, our heartbeat, the wires; then wait for every engine
+    def connect(self):  # the store, our heartbeat, the wires; then all engines are up
         cfg, e = self.cfg, self.e
         self.store = sync.open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
         self.heartbeat = sync.Heartbeat(cfg["host"], cfg["rollout_port"], f"beat{e}")
-        self.store.add(f"started{e}", 0)  # budget.py reads every engine's
-        self.store.multi_set([f"idle{e}", f"joined{e}"], ["", "1"])  # idle: mark_idle's key
+        self.store.multi_set([f"idle{e}", f"joined{e}"], ["", "1"])
         self.ctl, self.traj = sync.connect(self.store, 1 + e, cfg["engines"], cfg["timeout_s"])
         self.llm.collective_rpc(sync.join, args=(cfg, 1 + e * cfg["tensor_parallel_size"]))
         start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
-        self.done, self.first = set(start["done"]), start["next"]  # the prompt stream, resumed
-        # every engine up before any starts a group: their shares of the budget start together
-        self.store.wait([f"joined{f}" for f in range(cfg["engines"])])
+        self.done, self.first = set(start["done"]), start["next"]  # the stream, resumed
+        self.store.wait([f"joined{f}" for f in range(cfg["engines"])])  # fair shares from here
 
     def run(self):
-        if self.v0 > 0:  # resumed: the checkpointed weights come before any generation
+        if self.v0 > 0:  # resumed: the checkpointed weights first
             while self.pending is None:
                 self.poll_trainer()
             self.load()
-        if f"eval{self.version}" not in self.groups:  # the run's first, unless load() started it
+        if f"eval{self.version}" not in self.groups:  # the first eval, unless load() ran it
             self.evaluate(first=True)
         while self.poll_trainer():  # a dead trainer kills us (reward.die_with_parent)
             self.heartbeat.moved()
@@ -215,11 +178,11 @@ class Rollout:  # one engine's loop and its state between two engine steps
             self.counters["rollout_engine_s"] += t1 - t0
             self.counters["rollout_grade_s"] += time.perf_counter() - t1
         self.workers.close()
-        self.heartbeat.stop()  # "bye" in the store: the trainer's watchers let us go
+        self.heartbeat.stop()  # "bye": the trainer's watchers let us go
         self.send({"kind": "bye"})
 
-    # ---- the trainer's side: versions announced, loads, evals --------------------------------
-    def receive(self):  # thread: announced versions into the inbox until -1 (stop) or an error
+    # ---- the trainer's side: versions announced, loads, evals ----
+    def receive(self):  # thread: versions announced, into the inbox, until -1 (stop) or an error
         try:
             while (v := sync.broadcast_version(self.ctl)) >= 0:
                 self.inbox.put(v)
@@ -227,9 +190,7 @@ class Rollout:  # one engine's loop and its state between two engine steps
         except Exception as e:
             self.inbox.put(e)
 
-    def poll_trainer(self):
-        """Takes what the trainer announced; with nothing to do, waits briefly for it or for a
-        worker's result. -> False once the trainer says stop."""
+    def poll_trainer(self):  # what the trainer announced; idle, wait briefly. False: stop
         block = not self.engine.has_unfinished_requests()
         if block and self.workers.busy:
             self.workers.wait(0.05)  # wakes at the first result
@@ -246,8 +207,8 @@ class Rollout:  # one engine's loop and its state between two engine steps
             self.pending, block = v, False
 
     def load(self):
-        """Every vLLM worker copies in the weights it received while we generated (sync.load). A
-        request's tokens from here on are theirs, but for `lag` steps launched before (old)."""
+        """Every worker copies in what it received while we generated (sync.load): a request's
+        tokens from here on are the new weights', but for `lag` steps launched before."""
         t0 = time.perf_counter()
         self.version = self.llm.collective_rpc(sync.load)[0]  # the oldest push received
         self.pending = None if self.version == self.pending else self.pending
@@ -258,24 +219,24 @@ class Rollout:  # one engine's loop and its state between two engine steps
         self.counters["rollout_load_s"] += self.counters["rollout_pause_s"]
         self.evaluate()
 
-    def evaluate(self, first=False):  # engine 0: a held-out eval beside the training groups
+    def evaluate(self, first=False):  # engine 0: a held-out eval beside the training
         v, every = self.version, self.cfg["eval_every"]
         if self.e == 0 and every and (first or v % every == 0 or v == self.cfg["max_steps"]):
             self.open(f"eval{v}", self.eval_set, greedy=True, version=v)
 
-    def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait on, with nothing to do
+    def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait for, if idle
         busy = self.groups or self.pending is not None  # admit() ran just before
         mark = "" if busy else str(self.version)
         if mark != self.idle:
             self.store.set(f"idle{self.e}", mark)
             self.idle = mark
 
-    # ---- a group's life: admitted, its turns stepped, graded, sent -------------------------
+    # ---- a group's life: admitted, its turns stepped, graded, sent ----
     def admit(self):
-        """New groups as the budget and the free slots allow (budget.py), positions in one round
-        trip. Stream position k (shared by all engines) is problem perm[k mod N], seeded."""
+        """New groups, as the budget and free slots allow; the stream's position k (shared by
+        all engines) is problem perm[k mod N], seeded."""
         n_new, N, positions = self.budget.take(self.version, self.holding), len(self.train_set), []
-        while len(positions) < n_new:  # skip those trained before the checkpoint we resumed from
+        while len(positions) < n_new:  # skip those trained before the checkpoint
             n = n_new - len(positions)
             end = self.first + self.store.add("pos", n)
             positions += [k for k in range(end - n, end) if k not in self.done]
@@ -288,30 +249,28 @@ class Rollout:  # one engine's loop and its state between two engine steps
             self.open(f"g{k}", [problem] * self.cfg["group_size"], greedy=False, pos=k)
             self.holding += self.cfg["group_size"]
 
-    def open(self, gid, problems, greedy, **group):  # a request per problem, to grade all
+    def open(self, gid, problems, greedy, **group):  # a request per problem
         self.groups[gid] = {"problems": problems, "comps": [completion() for _ in problems],
                             "left": len(problems), "eval": greedy, **group}
         params = self.params(greedy, self.cfg["max_new_tokens"])
         for i, p in enumerate(problems):
             self.add(gid, i, p["ids"], params)
 
-    def add(self, gid, i, ids, params):  # the salt: no prefix-cache hit on an older version's KV
-        turn = self.groups[gid]["comps"][i]["turns"]
-        rid = f"{gid}/{i}/{turn}"  # "{group}/{completion}/{turn}"
+    def add(self, gid, i, ids, params):  # the salt: no prefix-cache hit on older weights' KV
+        rid = f"{gid}/{i}/{self.groups[gid]['comps'][i]['turns']}"  # group/completion/turn
         self.engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"},
                                 params)
         self.spans[rid] = [(self.version, 0)]
         self.in_vllm += not self.groups[gid]["eval"]
 
-    def step(self):  # one engine step; each turn it finished goes to the task's turn or grade
+    def step(self):  # one engine step; each turn it ends goes to the task's turn or grade
         self.counters["rollout_steps"] += 1
         self.counters["rollout_running"] += self.in_vllm / self.cfg["rollout_seqs"]
         for out in self.engine.step():  # finished requests only
             gid, i, _turn = out.request_id.split("/")
             g, o, i = self.groups[gid], out.outputs[0], int(i)
-            c, n = g["comps"][i], len(o.token_ids)
-            spans = self.spans.pop(out.request_id)
-            extend(c, o.token_ids, o.logprobs.logprobs, token_versions(spans, n), 1)
+            c, spans = g["comps"][i], self.spans.pop(out.request_id)
+            extend(c, o.token_ids, o.logprobs.logprobs, token_versions(spans, len(o.token_ids)), 1)
             c["text"] += o.text or self.tok.decode(o.token_ids, skip_special_tokens=True)
             c["turns"] += 1
             c["cut"] = o.finish_reason == "length"
@@ -320,22 +279,22 @@ class Rollout:  # one engine's loop and its state between two engine steps
             final = c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]
             self.submit(gid, i, "grade" if final else "turn")
 
-    def submit(self, gid, i, fn):  # to the task's "turn" (its tool) or "grade" (final: a free slot)
+    def submit(self, gid, i, fn):  # to the task's "turn" (its tool) or "grade" (frees a slot)
         g = self.groups[gid]
         if fn == "grade" and not g["eval"]:
             self.holding -= 1
         self.workers.submit((gid, i, fn), self.task[fn], g["comps"][i]["text"],
                             g["problems"][i]["answer"])
 
-    def grades(self):  # the workers' results: a tool's words go on; graded groups go to the trainer
+    def grades(self):  # the workers' results: a tool's words go on; graded groups are sent
         for (gid, i, fn), result, failed in self.workers.poll():
             g = self.groups[gid]
-            if fn == "turn":  # the tool's words; None: the answer is final; a failure ends it
+            if fn == "turn":  # the tool's words; None: final; a failure ends the answer
                 self.counters["tool_failures"] += failed
                 if not (isinstance(result, str) and self.go_on(gid, i, result)):
                     self.submit(gid, i, "grade")
                 continue
-            ok = isinstance(result, float)  # else it failed, or returned no number
+            ok = isinstance(result, float)  # else it failed
             self.counters["reward_failed"] += not ok
             g["comps"][i]["reward"] = result if ok else 0.0
             g["left"] -= 1
@@ -343,8 +302,8 @@ class Rollout:  # one engine's loop and its state between two engine steps
                 self.finish_group(self.groups.pop(gid))
 
     def go_on(self, gid, i, words):
-        """The tool's tokens, then the next turn: a new request over the whole dialogue (prefix
-        caching keeps it cheap). -> False if the words leave no room for it (the answer is cut)."""
+        """The tool's tokens, then the next turn: a request over the whole dialogue (prefix
+        caching keeps it cheap). -> False if no room is left: cut."""
         g, env = self.groups[gid], self.tok.encode(words, add_special_tokens=False)
         c = g["comps"][i]
         room = self.cfg["max_new_tokens"] - len(c["ids"]) - len(env)
@@ -356,42 +315,44 @@ class Rollout:  # one engine's loop and its state between two engine steps
         self.add(gid, i, g["problems"][i]["ids"] + c["ids"], self.params(g["eval"], room))
         return True
 
-    def finish_group(self, g):  # graded: an eval's accuracy, or a Group for the trainer
+    def finish_group(self, g):  # graded: an eval's accuracy, or a group for the trainer
         versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
-        if g["eval"]:  # the weights its tokens came from span these versions
+        if g["eval"]:  # its tokens' weights span these versions
             n = len(g["comps"])
             return self.send({"kind": "eval", "version": g["version"], "eval_n": n,
                               "eval_accuracy": sum(c["reward"] == 1 for c in g["comps"]) / n,
                               "eval_versions": [min(versions), max(versions)]})
         problem = g["problems"][0]
-        msg = {"kind": "group", "pos": g["pos"], "prompt": problem["prompt"],
-               "prompt_ids": problem["ids"], "completions": g["comps"],
-               "version_min": min(versions)}
-        if self.cfg["drop_flat"] and reward.is_flat(msg):  # the trainer skips it: replace it now
-            budget.give_back(self.store, self.e)
+        msg = {"kind": "group",  # ("eval" and "bye" are the other messages)
+               "pos": g["pos"],  # its prompt's place in the stream the engines share: its id
+               "prompt": problem["prompt"],  # as the task gave it: text, or chat messages
+               "prompt_ids": problem["ids"],  # chat template applied
+               "completions": g["comps"],  # group_size of completion()
+               "version_min": min(versions)}  # its staleness when trained; send() adds the rest
+        if self.cfg["drop_flat"] and reward.is_flat(msg):  # the trainer skips it: replace it
+            self.budget.give_back()
         self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in g["comps"])  # generated
-        for c in g["comps"]:  # arrays: rank 0 unpickles 4 objects, not 4 a token; fp32 is vLLM's
+        for c in g["comps"]:  # arrays: rank 0 unpickles 4 objects, not 4 a token
             c.update({key: np.array(c[key], dtype) for key, dtype in TOKENS.items()})
-        self.mark_idle()  # before the trainer can see this group and look
+        self.mark_idle()  # before the trainer sees this group and looks
         self.send(msg)
 
-    def send(self, msg):  # to trainer rank 0, with our counters
-        self.counters["rollout_started"] = self.budget.started  # groups, before any given back
-        stats = dict(self.counters)
-        sync.send_obj(self.traj, {**msg, "engine": self.e, "stats": stats}, 0)
+    def send(self, msg):  # to trainer rank 0: who sent it, and our COUNTERS
+        self.counters["rollout_started"] = self.budget.started  # before any given back
+        sync.send_obj(self.traj, {**msg, "engine": self.e, "stats": dict(self.counters)}, 0)
 
 
 if __name__ == "__main__":
-    reward.die_with_parent()  # trainer rank 0: it stops us at its step boundary, or dies
+    reward.die_with_parent()  # rank 0 stops us at a step boundary, or dies
     config = json.loads(sys.argv[1])
     if config["rollout_cpus"]:  # see fleet.place()
         os.sched_setaffinity(0, cpus(config["rollout_cpus"]))
     try:
         Rollout(config, int(sys.argv[2])).run()
-    except ValueError as e:  # the config asks what cannot work: one line, as configurator's
+    except ValueError as e:  # a config that cannot work: one line
         print(f"error: rollout process {sys.argv[2]}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
     except Exception:
         traceback.print_exc()
-        os._exit(1)  # at once: vLLM's threads can hold a normal exit, and the trainer waits on it
+        os._exit(1)  # at once: vLLM's threads can hold a normal exit
     os._exit(0)

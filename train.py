@@ -1,14 +1,9 @@
 """train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`
-(`python train.py ...`: one rank).
-
-N trainer ranks shard the policy with FSDP2; the first rank of each node starts that node's vLLM
-engines (fleet.py, rollout.py), which generate all the time. Each optimizer step takes a batch
-(the one wait for generation, buffer.py), computes the loss over packed micro-batches (loss.py),
-steps, sends the new weights to every vLLM worker (sync.py) and logs (metrics.py). Batch k trains
-version k, the weights after k steps. Ctrl-C, SIGTERM or a stall stops every rank at a step
-boundary; a dead rank or engine, on any node, ends the run within seconds.
-
-Simplifications: one optimizer step a batch; constant-lr AdamW; no KL penalty and no reference
+(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; each node's
+first rank starts its vLLM engines (fleet.py), which generate all the time (rollout.py). A step
+takes a batch (buffer.py), computes the loss over packed micro-batches (loss.py), steps, sends
+the new weights to every vLLM worker (sync.py) and logs (metrics.py): batch k trains version k.
+Simplifications: one optimizer step a batch; constant-lr AdamW; no KL penalty, no reference
 model (beta = 0, as in DAPO); trainer rank 0 alone talks to the engines.
 """
 import json
@@ -30,59 +25,56 @@ import configurator
 import loss as L
 import metrics
 import sync
-from fleet import Fleet, kill, place, spawn, wait_for, watch
+from fleet import Fleet, kill, place, spawn, watch
 
-# -------------------------------------------------------------------------------------------------
-# default config: config/*.py files, then --key=value, override these (configurator.py)
+# ---- the config: config/*.py, then --key=value, override these defaults (configurator.py) ----
 model = "data/tiny"  # a Hugging Face model folder, or a hub id (online)
-task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME, a reasoning-gym dataset; reward.py
-data_path = ""  # gsm8k: a jsonl of {"question", "answer"} (eval_n held out), or a hub dataset id
+task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME (reasoning-gym): reward.py
+data_path = ""  # gsm8k: a jsonl of {"question", "answer"}, or a hub id
 out_dir = "out"
-tracker = ""  # "wandb" | "trackio": the config, each metrics.jsonl row; the run is named out_dir's
+tracker = ""  # "wandb" | "trackio": gets the config and every metrics.jsonl row
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
 batch_groups = 8  # prompt groups per step, dealt out to the trainer ranks
 group_size = 8  # completions per prompt
 max_new_tokens = 64  # per completion: all its turns and tool results
-max_turns = 4  # model turns per completion, for a task with a tool (calculator: 1 = no tool)
+max_turns = 4  # model turns per completion, with a tool (calculator: 1 = no tool)
 temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
 grad_clip = 1.0
-micro_batch_tokens = 4096  # packed tokens per forward/backward (a larger group runs alone)
+micro_batch_tokens = 4096  # packed tokens a forward and backward (a larger group alone)
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
-max_staleness = 1  # eta: a token is at most this many versions old when trained; 0 = synchronous
+max_staleness = 1  # eta: the most versions old a token may be when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
-eval_every = 5  # greedy held-out eval every this many versions, at the start and end; 0 = off
+eval_every = 5  # greedy held-out eval every this many versions, first and last; 0 = off
 eval_n = 100  # held-out problems, never trained on
-rollout_engines = 1  # vLLM engines on each node, each on tensor_parallel_size GPUs after its ranks'
+rollout_engines = 1  # vLLM engines per node, each on tensor_parallel_size GPUs
 tensor_parallel_size = 1
 colocate = False  # one GPU for the trainer and vLLM; weights pass through shared memory
-stage_weights = True  # engines receive new weights while generating, into a copy; False: paused,
-# bucket by bucket, no copy (for a model whose copy would not fit; always so with tensor
-# parallelism on GPUs)
+stage_weights = True  # receive weights into a copy while generating; False: paused, no copy
 rollout_seqs = 256  # most sequences generating at once in one engine (budget.py)
 rollout_dtype = "float32"  # vLLM weights and compute (its output layer: always float32)
-trainer_dtype = "float32"  # FSDP2 compute; master weights and gradient reduction stay float32
-rollout_cpus = ""  # CPU: vLLM's cores, e.g. "1" or "2-3"; the trainer ranks keep the rest
+trainer_dtype = "float32"  # FSDP2 compute; master weights, gradient reduction: float32
+rollout_cpus = ""  # CPU: vLLM's cores, "1" or "2-3"; the trainer ranks keep the rest
 borrow_cpus = True  # CPU, one rank: train on vLLM's cores too while every engine waits
 max_model_len = 512
 kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
 enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
-rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine (MASTER_ADDR)
-timeout_s = 120  # a peer silent this long is dead: the run exits instead of hanging
-start_timeout_s = 900  # engine start: a cold GPU start compiles kernels, captures CUDA graphs
-stall_s = 600  # waiting this long for a batch with nothing usable (none, flat, stale) stops the run
+rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine
+timeout_s = 120  # a peer silent this long is dead: the run exits, not hangs
+start_timeout_s = 900  # engine start (a cold GPU start compiles, captures CUDA graphs)
+stall_s = 600  # this long with nothing usable (none, flat, stale) stops the run
 reward_timeout_s = 5.0  # a grade running longer is killed and scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
-ckpt_every = 0  # write {out_dir}/ckpt.pt every this many steps, at the end, on a signal; 0 = never
+ckpt_every = 0  # {out_dir}/ckpt.pt every this many steps, at the end, on a signal
 resume = False  # continue exactly from {out_dir}/ckpt.pt
-# -------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
 torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 for k, v in torchrun.items():
-    os.environ.setdefault(k, v)  # plain `python train.py`: one rank
+    os.environ.setdefault(k, v)  # `python train.py`: one rank
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
 local_rank = int(os.environ["LOCAL_RANK"])
@@ -91,11 +83,11 @@ node = int(os.environ["GROUP_RANK"])
 nodes = int(os.environ["GROUP_WORLD_SIZE"])
 master = rank == 0
 config = configurator.check(config, world)
-model = config["model"]  # a hub id is now a folder in the hub cache
+model = config["model"]  # a hub id is now a folder in the cache
 
-# ---- placement: on every node, trainer ranks on the first GPUs, that node's engines after ----
+# ---- placement: on each node its trainer ranks take the first GPUs, its engines the next ----
 cuda = torch.cuda.is_available()
-if not cuda and torch.version.cuda:  # a CUDA build of torch (and vLLM) that sees no GPU
+if not cuda and torch.version.cuda:  # a CUDA build that sees no GPU
     configurator.die(f"torch {torch.__version__} sees no GPU: CUDA 13 needs NVIDIA driver >= 580 "
                      "(nvidia-smi); or CUDA_VISIBLE_DEVICES is empty; no GPU: requirements-cpu.txt")
 device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
@@ -103,7 +95,7 @@ engine_gpus, borrow = place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
 threads = torch.get_num_threads()  # CPU: our cores' (place)
-# ranks 1.. wait for each batch as long as rank 0 does (stall_s bounds it), not timeout_s
+# ranks 1.. wait for a batch as long as rank 0 (stall_s bounds it), not timeout_s
 batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 
 # ---- the policy, sharded, and its optimizer ----
@@ -114,20 +106,20 @@ full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_
 
 
 def full_weights(dtype=getattr(torch, trainer_dtype)):
-    """(name, full tensor), cast before the gather (half the bytes in bf16). Every rank runs it."""
+    """(name, full tensor), cast before the gather (bf16: half the bytes). Every rank runs it."""
     for name, p in policy.named_parameters():
         p = p.detach().to(dtype)
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
-# every weight's bucket and place in the engines' staging copy, the same on every side
+# every weight's bucket, and its place in the engines' staging copy
 plan = sync.plan([(name, p.shape) for name, p in policy.named_parameters()],
                  getattr(torch, rollout_dtype))
 ckpt_path, ckpt = os.path.join(out_dir, "ckpt.pt"), {}
 
 
 def save_checkpoint(version):
-    """Every rank gathers; rank 0 writes atomically, with the prompt stream's position."""
+    """Every rank gathers; rank 0 writes atomically, with where the prompt stream is."""
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
@@ -137,19 +129,19 @@ def save_checkpoint(version):
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
 
-if resume:  # rank 0 reads the file; the other ranks' shards come by broadcast
+if resume:  # rank 0 reads the file; the others' shards come by broadcast
     ckpt = torch.load(ckpt_path, weights_only=True) if master else {"model": {}, "optim": {}}
     set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model"),
                    optim_state_dict=ckpt.pop("optim"), options=full_state)
 start_version = [ckpt.get("version", 0)]
 dist.broadcast_object_list(start_version, src=0)
-start = start_version[0]  # this run's first batch is trained at version `start`
-stop_signal = []  # Ctrl-C / SIGTERM: the loop stops at the next step boundary
+start = start_version[0]  # this run's first batch trains version `start`
+stop_signal = []  # Ctrl-C / SIGTERM: stop at the next step boundary
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
-# ---- every node's first rank starts its engines; from here on they generate all the time ----
-engines = []  # the processes this rank started, if it leads another node
+# ---- each node's first rank starts its engines: from here on they generate all the time ----
+engines = []  # this rank's, if it leads another node
 if master:
     os.makedirs(out_dir, exist_ok=True)
     json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)
@@ -158,50 +150,48 @@ if master:
     log = metrics.Log(config, start, ckpt)
     heartbeat = fleet.heartbeat
 else:
-    if engine_gpus:  # another node's engines: numbered on from node 0's, they talk to rank 0
+    if engine_gpus:  # another node's: numbered on from node 0's, they talk to rank 0
         engines = spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
-                        os.environ["MASTER_ADDR"])
+                        os.environ["MASTER_ADDR"], plan)
     heartbeat = watch(config, rank, world, local_world, nodes, engines)
-# from here on every rank beats, and watches every other rank and engine of the run: one that
-# goes silent ends this rank too, within seconds (sync.Heartbeat)
+# every rank beats, and watches every other rank and engine: a silent one ends it
 
 
 def push_weights(version):
-    """Every rank gathers the full weights (collectives); rank 0 sends them to every worker,
-    then tells the engines to load version `version`."""
+    """Every rank gathers the weights; rank 0 sends them, and tells the engines the version."""
     if not master:
-        for _ in full_weights():  # each full_tensor() is an all-gather every rank must join
+        for _ in full_weights():  # each full_tensor() is an all-gather: all ranks join
             pass
         return
-    paused = not (colocate or sync.staged(config))  # the engines receive it paused: tell them first
+    paused = not (colocate or sync.staged(config))  # they receive it paused: tell them first
     if paused:
         sync.broadcast_version(fleet.ctl, version)
     sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
-    if not paused:  # they received it while generating: now they load it, a copy
+    if not paused:  # they received it while generating: now they copy it in
         sync.broadcast_version(fleet.ctl, version)
 
 
 def micro_batch(groups, step, n_tok):
-    """Loss and backward of one packed micro-batch -> its share of metrics.SUMS."""
+    """Loss and backward of a packed micro-batch -> its share of metrics.SUMS."""
     batch = L.to_device(L.pack(groups), device)
     logp = L.token_logprobs(policy, batch, temperature)  # [C, T]
     adv = L.group_advantages(batch["rewards"], group_size)
     loss, bounded = L.grpo_loss(logp, batch["behav"], adv, batch["mask"], n_tok)
-    (loss * world).backward()  # FSDP averages over ranks; the loss is already a global token mean
+    (loss * world).backward()  # FSDP averages over ranks; loss: the batch's token mean
     fresh = batch["versions"] == step  # sampled by the weights being trained
     return metrics.token_sums(loss, bounded, logp, batch["behav"], batch["mask"], fresh)
 
 
 version = step = start
 try:
-    if start > 0:  # resumed: the engines generate from the checkpointed weights
+    if start > 0:  # resumed: the engines generate from the checkpoint's weights
         push_weights(start)
     for step in range(start, max_steps):
         version = step
         # ---- 1. a batch: rank 0 takes it from the buffer and deals it out ----
-        msg = {}  # rank 0: {"shares": groups per rank, "n_tok"}, or {"stop": why}
+        msg = {}  # rank 0: {"shares": groups a rank, "n_tok"}, or {"stop": why}
         if master:
-            try:  # the overlap, 1 of 2: the engines generated it while we trained the last batch
+            try:  # the overlap, 1 of 2: the engines made it while we trained the last
                 groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive,
                                                         log.waiting)
                 n_tok = sum(int(c["mask"].sum()) for g in groups for c in g["completions"])
@@ -219,21 +209,21 @@ try:
         # ---- 2. the loss and one optimizer step ----
         t0 = time.perf_counter()
         sums = torch.zeros(len(metrics.SUMS), device=device)
-        borrowed = 0  # micro-batches run on the engines' cores too (borrow_cpus)
+        borrowed = 0  # micro-batches on the engines' cores too (borrow_cpus)
         for i, groups_i in enumerate(mine):
-            # the gradients reduce-scatter once, after the last backward; until then each rank
-            # keeps the whole weights, gathered by the first forward (loss.shard)
+            # gradients reduce-scatter once, after the last backward; until then each rank keeps
+            # the weights whole, as the first forward gathered them (loss.shard)
             last = i == len(mine) - 1
             policy.set_requires_gradient_sync(last)
             policy.set_reshard_after_backward(last)
-            if borrow:  # every engine waits for the weights we train: compute on its cores too
+            if borrow:  # every engine waits for the weights we train: use its cores
                 engines_idle = fleet.idle(version)
                 torch.set_num_threads(threads + (borrow if engines_idle else 0))
                 borrowed += engines_idle
             sums += micro_batch(groups_i, step, msg["n_tok"])
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        if not torch.isfinite(grad_norm):  # it would poison the weights, and vLLM's; every rank
+        if not torch.isfinite(grad_norm):  # it would poison the weights; every rank stops
             raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: lower lr or "
                                      "check the data (--resume goes on from the last checkpoint)")
         optimizer.step()
@@ -243,14 +233,14 @@ try:
         version = step + 1
         # ---- 3. the new weights to every engine ----
         t0 = time.perf_counter()
-        push_weights(version)  # the overlap, 2 of 2: received beside generation, loaded as a copy
+        push_weights(version)  # the overlap, 2 of 2: received beside generation, then copied
         t_sync = time.perf_counter() - t0
         # ---- 4. log ----
         if master:
             log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
                      t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync,
                      borrowed_frac=borrowed / len(mine), micro_batches=len(mine))
-            fleet.done.update(g["pos"] for g in seen)  # positions taken, for a checkpoint
+            fleet.done.update(g["pos"] for g in seen)  # for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version)
     # ---- the end: the model in Hugging Face format; the final eval ----
@@ -261,21 +251,21 @@ try:
         if eval_every > 0:
             fleet.wait(lambda: any(e["version"] == max_steps for e in fleet.evals), timeout_s)
         log.close(fleet.evals)
-        fleet.stop(timeout_s)  # every engine, on every node, says bye and exits
-    wait_for(engines, timeout_s)  # another node's
-    # rank 0's store closes when it exits: every rank stops its heartbeat between two barriers,
-    # or one still beating would take the closing store for a dead rank 0
+        fleet.stop(timeout_s)  # every engine, on every node, exits
+    kill(engines, timeout_s)  # another node's: they exit once rank 0 says stop
+    # rank 0's store closes as it exits: every rank stops its heartbeat between two barriers
+    # (one still beating would take that for a dead rank 0)
     dist.barrier(group=batches)
     heartbeat.stop()
     dist.barrier()
-except Exception as error:  # a signal or a stall (Stopped), or an error: every process ends here
+except Exception as error:  # a signal, a stall (Stopped), an error: every rank ends here
     if isinstance(error, buffer.Stopped) and master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
         print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
-        log.close(fleet.evals)  # the evals that came, and a tracker's run ends as finished
+        log.close(fleet.evals)  # the evals that came; a tracker's run ends finished
     elif not isinstance(error, buffer.Stopped):
-        if master and isinstance(error, RuntimeError):  # a broken connection: a dead engine?
-            try:  # give its exit code or missing heartbeat time to show: check_alive() names it
+        if master and isinstance(error, RuntimeError):  # a broken wire: a dead engine?
+            try:  # time for its exit code to show: check_alive() names it
                 fleet.wait(lambda: False, sync.DEAD_S + 2)
             except Exception as cause:
                 error = cause
@@ -283,8 +273,8 @@ except Exception as error:  # a signal or a stall (Stopped), or an error: every 
     kill(fleet.procs if master else engines)
     sys.stdout.flush()
     sys.stderr.flush()
-    # not sys.exit: tearing down groups whose threads wait on a peer aborts, or hangs (NCCL)
+    # not sys.exit: tearing down groups whose threads wait on a peer aborts or hangs
     os._exit(128 + stop_signal[0] if isinstance(error, buffer.Stopped) and stop_signal else 1)
 if master:
-    fleet.close()  # the weight groups: shut down while their peers are gone, not left to hang
+    fleet.close()
 dist.destroy_process_group()

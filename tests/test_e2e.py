@@ -186,11 +186,13 @@ def test_two_ranks_train_exactly_like_one(sync_run, tmp_path):
     assert moved > 1e-3 and diff < 1e-5, (moved, diff)
 
 
-@pytest.mark.parametrize("extra", [("--rollout_engines=2",), ("--colocate",)])
+@pytest.mark.parametrize("extra", [("--rollout_engines=2",), ("--colocate",),
+                                   ("--stage_weights=False",)])
 def test_every_engine_samples_what_the_trainer_computes(tiny, tmp_path, extra):
-    """Two engines fed by one broadcast, or one engine fed through shared memory: after every push
-    each engine's logprobs of its fresh tokens equal the trainer's (fp32); with two engines each
-    generates its half of every batch, from the first (each owns half of the budget)."""
+    """Two engines fed by one broadcast, one engine fed through shared memory, or one that
+    receives each push paused, bucket by bucket (no staging copy): after every push each
+    engine's logprobs of its fresh tokens equal the trainer's (fp32); with two engines each
+    generates its half of every batch, from the first (each has its half reserved)."""
     steps, _, _ = train(tmp_path, *SYNC, "--max_steps=6", *extra)
     assert [m["version"] for m in steps] == [1, 2, 3, 4, 5, 6]
     for m in steps:
@@ -307,17 +309,24 @@ def test_a_run_that_cannot_learn_says_so_and_stops(tiny, tmp_path):
     assert samples and all(s["dropped"] == "flat" and s["reward"] == 0 for s in samples)
 
 
-def test_two_nodes_each_start_their_own_engine(tiny, tmp_path):
+def two_nodes(out, *overrides):
     """Two torchrun agents on this machine as two nodes (static rendezvous), one trainer rank and
-    one engine each: node 1's engine reaches the store on the master address, gets every push from
-    the one broadcast, and sends its groups to trainer rank 0; every engine samples what the
-    trainer computes."""
+    one engine each."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
               "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    run = ["train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={free_port()}",
-           *SYNC, "--max_steps=6"]
-    nodes = [subprocess.Popen(launch + [f"--node_rank={n}"] + run, cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (0, 1)]
+    run = ["train.py", "config/tiny.py", f"--out_dir={out}", f"--rollout_port={free_port()}",
+           *overrides]
+    return [subprocess.Popen(launch + [f"--node_rank={n}"] + run, cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (0, 1)]
+
+
+@pytest.mark.parametrize("run", [1, 2])
+def test_two_nodes_each_start_their_own_engine_and_end_cleanly(tiny, tmp_path, run):
+    """Node 1's engine reaches the store on the master address, gets every push from the one
+    broadcast, and sends its groups to trainer rank 0; every engine samples what the trainer
+    computes; and the run ends with exit code 0 on both nodes, every time (run 1 and 2): no
+    heartbeat takes rank 0's store closing at the end for a dead peer."""
+    nodes = two_nodes(tmp_path, *SYNC, "--max_steps=6")
     outs = [p.communicate(timeout=600) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], [err[-3000:] for _, err in outs]
     assert not ours(tmp_path)
@@ -598,12 +607,7 @@ def test_a_remote_engine_killed_is_named_on_both_nodes_within_seconds(tiny, tmp_
     """Two nodes (torchrun agents here), one rank and one engine each; node 1's engine is
     SIGKILLed mid-run: its node names it with its pid and exit code, rank 0 by engine and node once
     its heartbeats stop, and every process of both nodes is gone within 20 s."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-              "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    run = ["train.py", "config/tiny.py", f"--out_dir={tmp_path}", f"--rollout_port={free_port()}",
-           "--eval_every=0", "--max_steps=1000", "--timeout_s=60"]
-    nodes = [subprocess.Popen(launch + [f"--node_rank={n}"] + run, cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (0, 1)]
+    nodes = two_nodes(tmp_path, "--eval_every=0", "--max_steps=1000", "--timeout_s=60")
     deadline = time.time() + 180
     while len(metrics(tmp_path)[0]) < 2 if (tmp_path / "metrics.jsonl").exists() else True:
         assert time.time() < deadline and all(p.poll() is None for p in nodes)
@@ -620,3 +624,76 @@ def test_a_remote_engine_killed_is_named_on_both_nodes_within_seconds(tiny, tmp_
     assert all(p.returncode != 0 for p in nodes) and took < 20, errs[0][-3000:]
     assert "rollout process 1 (node 1) sent no heartbeat for 10 s" in errs[0], errs[0][-3000:]
     assert f"rollout process 1 (node 1, pid {engine[0].pid}) exited with code -9" in errs[1]
+
+
+def test_a_trainer_rank_killed_on_another_node_is_named_and_both_nodes_exit(tiny, tmp_path):
+    """Two nodes; node 1's trainer rank is SIGKILLed mid-run (its torchrun takes node 1 down,
+    and tells node 0 nothing): rank 0 names the rank and its node once its heartbeat stops, and
+    every process of both nodes is gone within 20 s (not timeout_s = 60 later)."""
+    nodes = two_nodes(tmp_path, "--eval_every=0", "--max_steps=1000", "--timeout_s=60")
+    deadline = time.time() + 180
+    while len(metrics(tmp_path)[0]) < 2 if (tmp_path / "metrics.jsonl").exists() else True:
+        assert time.time() < deadline and all(p.poll() is None for p in nodes)
+        time.sleep(0.2)
+    rank1 = [q for q in psutil.Process(nodes[1].pid).children() if "train.py" in q.cmdline()]
+    t0 = time.time()
+    rank1[0].kill()
+    while ours(tmp_path):
+        time.sleep(0.1)
+    took = time.time() - t0
+    errs = [p.communicate(timeout=60)[1] for p in nodes]
+    print(f"\nnode 1's trainer rank SIGKILLed: both nodes gone {took:.1f} s later")
+    assert all(p.returncode != 0 for p in nodes) and took < 20, errs[0][-3000:]
+    assert "trainer rank 1 (node 1) sent no heartbeat for 10 s" in errs[0], errs[0][-3000:]
+
+
+def test_an_engine_stopped_half_the_time_slows_the_run_but_never_breaks_it(tiny, tmp_path):
+    """Two engines, eta = 1; engine 1 is stopped (SIGSTOP) for 4 s of every 8: its heartbeat
+    stops but not for DEAD_S, the run goes on through the stops and stops cleanly when told, and
+    no token is more than eta versions old when trained. (Each push waits for every engine's
+    receive, a collective, so the stops still slow the run: the results log.)"""
+    p = start(tmp_path, "--rollout_engines=2", "--eval_every=0", "--timeout_s=60")
+    engine1 = [q for q in ours(tmp_path)
+               if q.cmdline()[-1] == "1" and "rollout.py" in " ".join(q.cmdline())][0]
+    before = len(metrics(tmp_path)[0])
+    for _ in range(3):
+        engine1.suspend()
+        time.sleep(4)
+        engine1.resume()
+        time.sleep(4)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    steps = metrics(tmp_path)[0][before:]
+    made = [sum(m["engine_groups"][e] for m in steps) for e in (0, 1)]
+    print(f"\nengine 1 stopped half the time: {len(steps)} steps, trained groups by engine {made}")
+    assert "stopped at step" in err and "heartbeat" not in err, err[-3000:]
+    assert len(steps) >= 6 and max(m["staleness_max"] for m in steps) <= 1, steps
+    assert not ours(tmp_path)
+
+
+HANG = """import sys, time
+if sys.argv[0].endswith("rollout.py"):  # the engine's loop asks its budget every iteration
+    import budget
+    take, calls = budget.Budget.take, []
+    def hang_after_200(self, *args):
+        calls.append(1)
+        if len(calls) > 200:
+            time.sleep(3600)  # a driver fault, a deadlock: the process lives, its loop does not
+        return take(self, *args)
+    budget.Budget.take = hang_after_200
+"""
+
+
+def test_an_engine_whose_loop_hangs_is_named(tiny, tmp_path):
+    """The engine's loop stops moving after 200 iterations, its heartbeat thread going on: rank 0
+    names it once it has not moved for timeout_s, and the run is gone soon after."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(HANG)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'hook'}{os.pathsep}{ROOT}")
+    t0 = time.time()
+    p = subprocess.run(command(tmp_path / "run", "--eval_every=0", "--max_steps=1000",
+                               "--timeout_s=8"), cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode != 0 and not ours(tmp_path)
+    assert "rollout process 0 (node 0): its loop has not moved for" in p.stderr, p.stderr[-3000:]
+    assert time.time() - t0 < 120

@@ -133,7 +133,7 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
     groups = random_groups(model.config.vocab_size, lens)
     # keep_mb=0 and 16-position output chunks: the output layer recomputes its softmax in backward,
     # chunk by chunk
-    monkeypatch.setattr(loss.scoring.__wrapped__, "__defaults__",
+    monkeypatch.setattr(loss.token_logprobs, "__defaults__",
                         (16, 0) if keep_mb == 0 else (1024, 2048))
     logp, batch = packed_logprobs(model, groups, 0.7)
     mask = batch["mask"]
