@@ -149,17 +149,17 @@ class SampledLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # d logp(y) / d logits = (onehot(y) - softmax) / T
         h, w, ids = ctx.saved_tensors
-        grad_h, grad_w = torch.empty_like(h), torch.zeros(w.shape, device=w.device)
+        grad_h, grad_w = torch.empty_like(h), 0
         for k, i in enumerate(range(0, len(h), ctx.rows)):
             x, y = h[i:i + ctx.rows], ids[i:i + ctx.rows]
-            p = ctx.probs[k]
+            p = ctx.probs[k]  # in place from here: it is needed no more
             if p is None:
                 p = (mm32(x, w.t()) / ctx.temperature).softmax(-1)
-            g = -p
+            g = p.neg_()
             g[torch.arange(len(y), device=g.device), y] += 1
-            g = (g * (grad[i:i + ctx.rows, None] / ctx.temperature)).to(h.dtype)
+            g = g.mul_(grad[i:i + ctx.rows, None] / ctx.temperature).to(h.dtype)
             grad_h[i:i + ctx.rows] = g @ w
-            grad_w += mm32(g.t(), x)
+            grad_w = grad_w + mm32(g.t(), x)
         return grad_h, grad_w.to(w.dtype), None, None, None, None
 
 
