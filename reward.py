@@ -137,9 +137,10 @@ def reasoning_gym(name, seed, n_eval, n=5000):
     ask = [{"role": "system", "content": rg.utils.SYSTEM_PROMPTS["default"]},
            {"role": "user", "content": shot["question"]},
            {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"}]
-    return [[{"id": i, "prompt": ask + [{"role": "user", "content": e["question"]}], "answer": e}
-             for i, e in enumerate(rows)]
-            for rows in ([e for e in make(seed, n) if e["question"] not in held], test)]
+    train = [e for e in make(seed, n) if e["question"] not in held]
+    problem = lambda i, e: {"id": i, "prompt": ask + [{"role": "user", "content": e["question"]}],
+                            "answer": e}  # the entry: its scorer needs it whole
+    return [problem(i, e) for i, e in enumerate(train)], [problem(i, e) for i, e in enumerate(test)]
 
 
 @functools.cache
