@@ -214,12 +214,15 @@ def trainer():
     each sharing its prompt, packed into micro-batches of --budget tokens and accumulated as
     train.py does. Prints the step's seconds, tokens/s, MFU (the model's FLOPs, attention's
     included, / time / the present GPU's bf16 peak), peak memory, and where the time goes:
-    forward calls, decoder-layer calls (recomputes included), host syncs (CUDA), tokens per
-    forward, the padded share of the positions computed. On a GPU it first checks that the
+    forward calls, decoder-layer calls (recomputes included; compiled, a layer's hook runs only
+    as it is traced), host syncs (CUDA), tokens per forward, the padded share of the positions
+    computed. On a GPU it first checks that the
     FlashAttention varlen path gives the logprobs and gradients of the per-segment SDPA path.
     --checkpointing=1: whole-layer activation checkpointing. --shared=0: no prompt sharing
-    (each completion with its own copy of the prompt). --compile=1: torch.compile each decoder
-    layer (its compile time shows in step 0)."""
+    (each completion with its own copy of the prompt). --compile=0: no torch.compile of the
+    decoder layers (train.py's compile_layers: on a GPU it is on; its compile time is in step
+    0). --varlen=0: the GPU's attention as on CPU, an SDPA call a segment. --profile=1: one more
+    step under torch.profiler (the GPU's busy share)."""
     import warnings
     import torch
     import torch.distributed as dist
@@ -236,15 +239,16 @@ def trainer():
                       num_attention_heads=12 if big else 4, num_key_value_heads=2,
                       tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(device)
+    with device:  # made where it runs: 1.5B random weights on the host take a while
+        model = Qwen2ForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     head = cfg.vocab_size * cfg.hidden_size
     if gpu:
         varlen_check(device)
-    if args.get("compile") == "1":
-        for layer in model.model.layers:
-            layer.compile()
-    L.shard(model, torch.bfloat16 if gpu else torch.float32, args.get("checkpointing") == "1")
+    L.VARLEN = args.get("varlen", "1") == "1"  # 0: an SDPA call a segment, to compare
+    compiled = gpu and args.get("compile", "1") == "1"  # as train.py: on a GPU
+    L.shard(model, torch.bfloat16 if gpu else torch.float32, args.get("checkpointing") == "1",
+            compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=gpu)
     groups = random_groups(int(args.get("groups", 8 if gpu else 2)), 256 if gpu else 64,
                            int(args.get("tokens", 1024 if gpu else 128)))
@@ -271,13 +275,15 @@ def trainer():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         syncs = sum("synchronizing" in str(w.message) for w in said)
+    if gpu:
+        torch.cuda.set_sync_debug_mode(0)
     step_s = min(times[1:3])
     flops = 6 * (n_params - head) * positions + 6 * head * tokens_scored(groups)
     flops += 12 * cfg.num_hidden_layers * cfg.hidden_size * attention_pairs(groups)
     peak = next((p for name, p in PEAKS if gpu and name in torch.cuda.get_device_name()), None)
     out = {"device": torch.cuda.get_device_name() if gpu else "cpu", "params": n_params,
            "checkpointing": args.get("checkpointing") == "1", "shared": args.get("shared", "1"),
-           "compile": args.get("compile") == "1", "step_s": step_s, "step0_s": times[0],
+           "compile": compiled, "step_s": step_s, "step0_s": times[0],
            "tokens": tokens, "tokens_per_s": tokens / step_s,
            "mfu": flops / step_s / peak if peak else None, "tflops": flops / step_s / 1e12,
            "forward_calls": calls["forward"], "decoder_layer_calls": calls["layer"],
@@ -286,8 +292,31 @@ def trainer():
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
            "peak_rss_gib": __import__("resource").getrusage(0).ru_maxrss / 2**20}
     if int(os.environ.get("RANK", 0)) == 0:
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
+    if args.get("profile") == "1":  # one more step, kernels timed: how busy the GPU is
+        profile_step(lambda: step(model, opt, micro, device), gpu)
     dist.destroy_process_group()
+
+
+def profile_step(run, gpu):
+    """One step under torch.profiler: its wall seconds, the seconds kernels ran (the GPU busy)
+    and the kernels that took longest."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        run()
+        if gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    from torch.autograd import DeviceType
+    events = prof.key_averages()  # a kernel's time shows in its row and in its CPU op's: once
+    busy = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU) / 1e6
+    print(events.table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
+                       row_limit=20, max_name_column_width=60))
+    print(json.dumps({"profiled_step_s": wall, "kernel_s": busy, "gpu_busy": busy / wall}),
+          flush=True)
 
 
 def random_groups(G, prompt, longest, n=16, seed=0, vocab=150000):
@@ -566,12 +595,13 @@ def gpu():
     import threading
     smollm = GPUS and os.path.isdir(f"{ROOT}/data/smollm2-135m")
     models = {"tiny": "config/tiny.py", **({"smollm": "config/smollm_cpu.py"} if smollm else {})}
-    modes = ["colocate", "separate", "paused"]
+    pick = lambda key, all_: [x for x in args.get(key, all_).split(",") if x in all_.split(",")]
     prepare("tiny")
     rows = []
-    for name, config in models.items():
-        for dtype in ("float32", "bfloat16"):
-            for mode in modes:
+    for name in pick("models", ",".join(models)):
+        config = models[name]
+        for dtype in pick("dtypes", "float32,bfloat16"):
+            for mode in pick("modes", "colocate,separate,paused"):
                 over = [f"--rollout_dtype={dtype}", f"--trainer_dtype={dtype}", "--max_steps=6",
                         "--max_staleness=1", "--rollout_cpus=", "--eval_every=0",
                         f"--colocate={mode == 'colocate'}", f"--stage_weights={mode != 'paused'}",
@@ -692,7 +722,8 @@ def ab():
 MODES = {  # mode: (function, its usage line)
     "": (ratios, "python bench.py [--configs=tiny,smollm] [--overlap]: the pipeline's ratios"),
     "--trainer": (trainer, "torchrun --nproc_per_node=1 bench.py --trainer [--checkpointing=1] "
-                           "[--shared=0] [--compile=1] [--budget=T] [--groups=G] [--tokens=T]: "
+                           "[--shared=0] [--compile=0] [--budget=T] [--groups=G] [--tokens=T] "
+                           "[--varlen=0] [--profile=1]: "
                            "the trainer step alone (1.5B shape on a GPU)"),
     "--engine": (engine, "python bench.py --engine [--configs=] [--runs=N] [--profile=0]: the "
                          "engine loop vs vLLM alone (pip install py-spy)"),
@@ -701,7 +732,8 @@ MODES = {  # mode: (function, its usage line)
     "--fill": (fill, "python bench.py --fill [--parts=occupancy,balance,pause]: engines full, "
                      "shared, paused"),
     "--grading": (grading, "python bench.py --grading: graders vs the recipe's answer rate"),
-    "--gpu": (gpu, "python bench.py --gpu: the whole GPU path in minutes"),
+    "--gpu": (gpu, "python bench.py --gpu [--models=tiny,smollm] [--dtypes=float32,bfloat16] "
+                   "[--modes=colocate,separate,paused]: the whole GPU path in minutes"),
     "--ab": (ab, "python bench.py --ab=REV [--steps=4]: the demo on REV and on this tree, back "
                  "to back"),
 }

@@ -14,6 +14,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
@@ -69,6 +70,7 @@ def pack(groups):
         segments=list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
                           cu_k[1:].tolist())),  # [(first query, end, first key, end)]
         cu_q=cu_q.astype(np.int32), cu_k=cu_k.astype(np.int32),  # [S + 1]
+        max_q=int(np.diff(cu_q).max()), max_k=int(np.diff(cu_k).max()),  # a segment's longest
         src=np.concatenate(src).astype(np.int64),  # [N], N: the completions' tokens
         targets=np.concatenate([c["ids"] for c in comps]).astype(np.int64),  # [N]
         at=np.concatenate([c * T + np.arange(len(comps[c]["ids"])) for c in range(C)]),  # in C x T
@@ -91,6 +93,7 @@ def to_device(batch, device):
 
 
 VARLEN = True  # FlashAttention's varlen kernel where it runs (bench.py --trainer compares)
+VARLEN_TAKES = inspect.signature(varlen_attn).parameters  # here: compiled layers would trace it
 
 
 def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
@@ -112,14 +115,11 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
 
 
 def varlen(q, k, v, packed, scaling):
-    """torch's FlashAttention-2 varlen kernel: causal aligned bottom-right; grouped-query heads
-    served as HF's repeat_kv does (2.13 asks for enable_gqa; 2.11 has no such flag)."""
-    from torch.nn.attention.varlen import varlen_attn
-    gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
-    max_q = max(q1 - q0 for q0, q1, _, _ in packed["segments"])
-    max_k = max(k1 - k0 for _, _, k0, k1 in packed["segments"])
-    return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], max_q, max_k, scale=scaling,
-                       window_size=(-1, 0), **({"enable_gqa": True} if gqa else {}))
+    """torch's FlashAttention-2 varlen kernel: causal aligned bottom-right, grouped-query heads
+    served by the kernel itself (2.13 asks for enable_gqa to be said; 2.11 has no such flag)."""
+    gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}
+    return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], packed["max_q"], packed["max_k"],
+                       scale=scaling, window_size=(-1, 0), **gqa)
 
 
 AttentionInterface.register("nanoasync_packed", packed_attention)
@@ -168,7 +168,7 @@ def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
     call, the output layer returns the sampled tokens' logprobs [N], not [L, V] logits (patched,
     not called after the body: FSDP's hooks on the root gather its weights)."""
     head = net.get_output_embeddings()
-    packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k")}  # for the attention
+    packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k", "max_q", "max_k")}
 
     def sampled(h):  # [1, L, hidden] -> [N]
         x = h[0, batch["src"]]
@@ -203,19 +203,25 @@ def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
     return (per_tok * mask).sum() / n_tokens, bounded
 
 
-def checkpoint_layers(net):  # each decoder layer keeps its input only, and runs again in backward
+def wrap_layers(net, compiled, checkpointing):
+    """torch.compile each decoder layer's body (it fuses the elementwise work between the matrix
+    products, a third of a step's GPU time at 1.5B), then, if asked, checkpoint it: each layer
+    keeps its input only and runs again in backward. The compiled body goes inside the
+    checkpoint: compiling the layer around one compiled nothing (the results log)."""
     for layer in net.model.layers:
-        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+        if compiled:
+            layer.forward = torch.compile(layer.forward)
+        if checkpointing:
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
-def shard(net, dtype, checkpointing=False):
+def shard(net, dtype, checkpointing=False, compiled=False):
     """FSDP2 on each decoder layer and the root: fp32 master weights and gradient reduction,
     `dtype` compute, the packed attention. Weights stay gathered through a step (train.py): no
     collective between micro-batches, for 6 bytes a parameter a rank (weights, fp32 grads)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     net.set_attn_implementation("nanoasync_packed")
-    if checkpointing:
-        checkpoint_layers(net)
+    wrap_layers(net, compiled, checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in net.model.layers:
         fully_shard(layer, mp_policy=mp, reshard_after_forward=False)

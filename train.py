@@ -44,6 +44,7 @@ lr = 1e-5
 grad_clip = 1.0
 micro_batch_tokens = 4096  # packed tokens a forward and backward (a larger group alone)
 activation_checkpointing = False  # recompute each decoder layer in the backward pass
+compile_layers = True  # GPU, bf16/fp16: torch.compile each decoder layer (compiling in step 0)
 max_staleness = 1  # eta: the most versions old a token may be when trained; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
 eval_every = 5  # greedy held-out eval every this many versions, first and last; 0 = off
@@ -100,7 +101,9 @@ batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
-L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing)
+# compiled only with the varlen kernel: fp32's SDPA call a segment would recompile each micro-batch
+compiled = compile_layers and cuda and trainer_dtype != "float32"
+L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing, compiled)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, fused=cuda)
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
 

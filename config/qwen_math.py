@@ -2,10 +2,11 @@
 # with math-verify. One node of 8 GPUs: 4 trainer ranks (FSDP2, bf16 compute, fp32 master weights)
 # and 4 vLLM engines, one GPU each:
 #   torchrun --nproc_per_node=4 train.py config/qwen_math.py
-# The split, on paper (not yet measured; results log): a step is 60 groups x 16 answers of ~300
-# tokens (~300k tokens with the prompts, ~9.3 GFLOP a token to train): at the packed trainer's
-# target of 35% MFU on an H100, ~8 GPU-seconds, so 4 ranks take ~2 s; an H100 engine makes ~30k
-# tokens/s at this batch, so 4 engines take ~2.4 s. The old split (5 + 3) fit a trainer at 10%.
+# The split: a step is 60 groups x 16 answers of ~300 tokens (~300k tokens with the prompts). The
+# trainer, measured on one H100 at this model's shape (bench.py --trainer, results log): 35k
+# tokens/s with checkpointing and compiled layers (0.34 MFU), so 4 ranks take ~2.1 s. The engines,
+# on paper: an H100 makes ~30k tokens/s at this batch, so 4 take ~2.4 s. The old split (5 + 3)
+# fit a trainer at 10% MFU.
 model = "Qwen/Qwen2.5-1.5B-Instruct"
 task = "gsm8k"
 data_path = "openai/gsm8k"  # the hub dataset: train split to train, test split to evaluate
@@ -25,7 +26,7 @@ rollout_seqs = 720  # per engine: the budget, (2 + 1) x 60 groups x 16, over 4 e
 grader_workers = 4  # per engine: ~1,400 math-verify grades/s, ~14x its answers (results log)
 rollout_dtype = "bfloat16"
 trainer_dtype = "bfloat16"
-# ~75k tokens per rank a step in 3 micro-batches; with checkpointing a token keeps ~0.2 MB
+# ~75k tokens per rank a step in 3 micro-batches; with checkpointing a token keeps ~0.15 MB
 micro_batch_tokens = 32768
 activation_checkpointing = True
 max_model_len = 2048

@@ -108,7 +108,8 @@ def packed_logprobs(model, groups, temperature):
 
 
 @pytest.mark.parametrize("model_kind, keep_mb", [
-    ("tiny", 512), ("tiny-ckpt", 512), ("vocab50k", 512), ("vocab50k", 0)])
+    ("tiny", 512), ("tiny-ckpt", 512), ("tiny-compiled-ckpt", 512), ("vocab50k", 512),
+    ("vocab50k", 0)])
 def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_kind, keep_mb,
                                                                    monkeypatch):
     """Two groups packed into one sequence (each prompt once, each completion attending to its
@@ -119,8 +120,9 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
     import loss
     if model_kind.startswith("tiny"):
         model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
-        if model_kind == "tiny-ckpt":  # whole-layer activation checkpointing: recomputed, the same
-            loss.checkpoint_layers(model)
+        # whole-layer activation checkpointing: recomputed, the same; compiled inside it (as on
+        # GPUs, where it runs the varlen kernel) too
+        loss.wrap_layers(model, "compiled" in model_kind, "ckpt" in model_kind)
     else:  # a random 2-layer model with a 50k vocabulary, untied, 4 query heads on 2 KV heads
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50000, hidden_size=128,
@@ -135,7 +137,11 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
     # chunk by chunk
     monkeypatch.setattr(loss.token_logprobs, "__defaults__",
                         (16, 0) if keep_mb == 0 else (1024, 2048))
+    from torch._dynamo.utils import counters
+    counters.clear()
     logp, batch = packed_logprobs(model, groups, 0.7)
+    # compiled around a checkpoint, not inside it, nothing is compiled (the results log)
+    assert counters["stats"]["unique_graphs"] == ("compiled" in model_kind)
     mask = batch["mask"]
     assert logp.shape == (8, 30) and mask.sum() == sum(map(sum, lens))
     # no padding: each prompt once, each completion but its last token
@@ -144,6 +150,8 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
     (logp * w).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    for layer in model.model.layers:  # the reference: eager, no checkpoint
+        vars(layer).pop("forward", None)
     model.set_attn_implementation("sdpa")
     want = plain_logprobs(model, groups, 0.7)
     sum((r * w[i, :len(r)]).sum() for i, r in enumerate(want)).backward()
@@ -156,7 +164,8 @@ def test_token_logprobs_and_gradients_equal_the_plain_computation(tiny, model_ki
 
 
 def test_micro_batches_hold_whole_groups_up_to_a_token_budget():
-    groups = random_groups(500, [[3, 3], [40, 41], [5, 6], [1, 2]])  # 7 + 4, 11 + 79, 15 + 9, 19 + 1
+    # packed tokens: 7 + 4, 11 + 79, 15 + 9, 19 + 1
+    groups = random_groups(500, [[3, 3], [40, 41], [5, 6], [1, 2]])
     assert [loss_mod().tokens(g) for g in groups] == [11, 90, 24, 20]
     batches = loss_mod().micro_batches(groups, 40)
     assert [[groups.index(g) for g in b] for b in batches] == [[0], [1], [2], [3]]
@@ -206,10 +215,11 @@ def loss_mod():
 
 
 def test_two_ranks_with_very_different_lengths_step_like_one(tiny, tmp_path):
-    """FSDP2 over 2 gloo ranks, one with 1-3 token answers and one with ~40, packed into micro-batches
-    of at most 100 tokens, so that the ranks run different numbers of them (no collective between
-    micro-batches: gradients reduce once, weights stay gathered), with whole-layer activation
-    checkpointing: the same weights after a step as 1 rank on the whole batch without it."""
+    """FSDP2 over 2 gloo ranks, one with 1-3 token answers and one with ~40, packed into
+    micro-batches of at most 100 tokens, so that the ranks run different numbers of them (no
+    collective between micro-batches: gradients reduce once, weights stay gathered), with
+    whole-layer activation checkpointing: the same weights after a step as 1 rank on the whole
+    batch without it."""
     import subprocess
     import sys
     from conftest import ROOT, free_port
