@@ -246,7 +246,8 @@ def trainer():
     if gpu:
         varlen_check(device)
     L.VARLEN = args.get("varlen", "1") == "1"  # 0: an SDPA call a segment, to compare
-    compiled = gpu and args.get("compile", "1") == "1"  # as train.py: on a GPU
+    # as train.py: on a GPU, with the varlen kernel (a compiled SDPA loop would recompile)
+    compiled = gpu and args.get("compile", "1") == "1" and L.VARLEN
     L.shard(model, torch.bfloat16 if gpu else torch.float32, args.get("checkpointing") == "1",
             compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=gpu)

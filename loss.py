@@ -93,7 +93,7 @@ def to_device(batch, device):
 
 
 VARLEN = True  # FlashAttention's varlen kernel where it runs (bench.py --trainer compares)
-VARLEN_TAKES = inspect.signature(varlen_attn).parameters  # here: compiled layers would trace it
+VARLEN_TAKES = inspect.signature(varlen_attn).parameters  # once: not traced in every layer
 
 
 def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
