@@ -64,27 +64,31 @@ class Heartbeat:
                 idle = time.monotonic() - (self.last_move or time.monotonic())
                 store.set(self.key, f"{n} {idle:.0f}")
                 self.every(store)
+                quiet = {}  # a peer's name -> seconds since its count last changed
                 for (key, name), beat in zip(self.peers.items(), store.multi_get([*self.peers])):
                     if beat not in (b"", b"bye"):  # begun (rank 0 set all empty), not ended
-                        self.check(key, name, *beat.decode().split(), seen)
+                        quiet[name] = self.check(key, name, *beat.decode().split(), seen)
+                if max(quiet.values(), default=0) > DEAD_S:  # it, and any silent with it (a node)
+                    self.fail(*(f"{name} sent no heartbeat for {DEAD_S} s: it died, its node is "
+                                "lost, or it hangs; its node's log says which"
+                                for name, s in quiet.items() if s > DEAD_S / 2))
                 if self.stopped.wait(BEAT_S):
                     return store.set(self.key, "bye")
         except Exception as e:
             if not self.stopped.is_set():  # a clean end closes the store: no error
                 self.fail(f"trainer rank 0's store on {host}:{port} is gone ({e})")
 
-    def check(self, key, name, n, idle, seen):
+    def check(self, key, name, n, idle, seen):  # -> seconds since the peer's count changed
         if seen.get(key, (None,))[0] != n:
             seen[key] = (n, time.monotonic())
-        if time.monotonic() - seen[key][1] > DEAD_S:
-            self.fail(f"{name} sent no heartbeat for {DEAD_S} s: it died, its node is lost, or "
-                      "it hangs; its node's log says which")
         if int(idle) > self.loop_s:
             self.fail(f"{name}: its loop has not moved for {idle} s (hung? `py-spy dump --pid "
                       "PID` shows where)")
+        return time.monotonic() - seen[key][1]
 
-    def fail(self, why):
-        print(f"error: {self.key}: {why}", file=sys.stderr, flush=True)
+    def fail(self, *whys):
+        for why in whys:
+            print(f"error: {self.key}: {why}", file=sys.stderr, flush=True)
         os._exit(1)  # at once: a collective would wait for the dead peer until its timeout
 
 

@@ -607,43 +607,38 @@ def test_a_remote_engine_killed_is_named_on_both_nodes_within_seconds(tiny, tmp_
     """Two nodes (torchrun agents here), one rank and one engine each; node 1's engine is
     SIGKILLed mid-run: its node names it with its pid and exit code, rank 0 by engine and node once
     its heartbeats stop, and every process of both nodes is gone within 20 s."""
+    engine, errs = kill_mid_run(tmp_path, "engine", lambda nodes: [
+        q for q in ours(tmp_path) if q.cmdline()[-1] == "1" and "rollout.py" in q.cmdline()[1]])
+    assert "rollout process 1 (node 1) sent no heartbeat for 10 s" in errs[0], errs[0][-3000:]
+    assert f"rollout process 1 (node 1, pid {engine.pid}) exited with code -9" in errs[1]
+
+
+def kill_mid_run(tmp_path, what, find):
+    """A two-node run; after two steps the process find(nodes)[0] is SIGKILLed: every process of
+    both nodes must be gone, non-zero, within 20 s. -> (the process, each node's stderr)"""
     nodes = two_nodes(tmp_path, "--eval_every=0", "--max_steps=1000", "--timeout_s=60")
     deadline = time.time() + 180
     while len(metrics(tmp_path)[0]) < 2 if (tmp_path / "metrics.jsonl").exists() else True:
         assert time.time() < deadline and all(p.poll() is None for p in nodes)
         time.sleep(0.2)
-    engine = [q for q in ours(tmp_path)
-              if q.cmdline()[-1] == "1" and "rollout.py" in q.cmdline()[1]]
+    victim = find(nodes)[0]
     t0 = time.time()
-    engine[0].kill()
+    victim.kill()
     while ours(tmp_path):
         time.sleep(0.1)
     took = time.time() - t0
     errs = [p.communicate(timeout=60)[1] for p in nodes]
-    print(f"\nnode 1's engine SIGKILLed: both nodes gone {took:.1f} s later")
+    print(f"\nnode 1's {what} SIGKILLed: both nodes gone {took:.1f} s later")
     assert all(p.returncode != 0 for p in nodes) and took < 20, errs[0][-3000:]
-    assert "rollout process 1 (node 1) sent no heartbeat for 10 s" in errs[0], errs[0][-3000:]
-    assert f"rollout process 1 (node 1, pid {engine[0].pid}) exited with code -9" in errs[1]
+    return victim, errs
 
 
 def test_a_trainer_rank_killed_on_another_node_is_named_and_both_nodes_exit(tiny, tmp_path):
     """Two nodes; node 1's trainer rank is SIGKILLed mid-run (its torchrun takes node 1 down,
     and tells node 0 nothing): rank 0 names the rank and its node once its heartbeat stops, and
     every process of both nodes is gone within 20 s (not timeout_s = 60 later)."""
-    nodes = two_nodes(tmp_path, "--eval_every=0", "--max_steps=1000", "--timeout_s=60")
-    deadline = time.time() + 180
-    while len(metrics(tmp_path)[0]) < 2 if (tmp_path / "metrics.jsonl").exists() else True:
-        assert time.time() < deadline and all(p.poll() is None for p in nodes)
-        time.sleep(0.2)
-    rank1 = [q for q in psutil.Process(nodes[1].pid).children() if "train.py" in q.cmdline()]
-    t0 = time.time()
-    rank1[0].kill()
-    while ours(tmp_path):
-        time.sleep(0.1)
-    took = time.time() - t0
-    errs = [p.communicate(timeout=60)[1] for p in nodes]
-    print(f"\nnode 1's trainer rank SIGKILLed: both nodes gone {took:.1f} s later")
-    assert all(p.returncode != 0 for p in nodes) and took < 20, errs[0][-3000:]
+    _, errs = kill_mid_run(tmp_path, "trainer rank", lambda nodes: [
+        q for q in psutil.Process(nodes[1].pid).children() if "train.py" in q.cmdline()])
     assert "trainer rank 1 (node 1) sent no heartbeat for 10 s" in errs[0], errs[0][-3000:]
 
 
