@@ -246,10 +246,9 @@ def trainer():
     if gpu:
         varlen_check(device)
     L.VARLEN = args.get("varlen", "1") == "1"  # 0: an SDPA call a segment, to compare
-    # as train.py: on a GPU, with the varlen kernel (a compiled SDPA loop would recompile)
-    compiled = gpu and args.get("compile", "1") == "1" and L.VARLEN
-    L.shard(model, torch.bfloat16 if gpu else torch.float32, args.get("checkpointing") == "1",
-            compiled)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    compiled = args.get("compile", "1") == "1" and L.varlen_runs(device, dtype)  # as loss.shard
+    L.shard(model, dtype, args.get("checkpointing") == "1", compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=gpu)
     groups = random_groups(int(args.get("groups", 8 if gpu else 2)), 256 if gpu else 64,
                            int(args.get("tokens", 1024 if gpu else 128)))

@@ -96,13 +96,17 @@ VARLEN = True  # FlashAttention's varlen kernel where it runs (bench.py --traine
 VARLEN_TAKES = inspect.signature(varlen_attn).parameters  # once: not traced in every layer
 
 
+def varlen_runs(device, dtype):  # else an SDPA call a segment: a Python loop, compiled per shape
+    return VARLEN and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
 def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
     """HF's attention interface over pack(): q [1, H, L, D], k, v [1, Hkv, L, D] -> [1, L, H, D].
     Causal in a segment, its queries at the end of its keys (a completion's first one sees its
     whole prompt). HF builds no mask for an implementation of ours."""
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
     k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]: each segment's keys in a row
-    if VARLEN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # FlashAttention
+    if varlen_runs(q.device, q.dtype):  # FlashAttention
         return varlen(q, k, v, packed, scaling)[None], None
     out = torch.empty_like(q)  # CPU, fp32: the same segments, an SDPA call each
     for q0, q1, k0, k1 in packed["segments"]:
@@ -221,7 +225,7 @@ def shard(net, dtype, checkpointing=False, compiled=False):
     collective between micro-batches, for 6 bytes a parameter a rank (weights, fp32 grads)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     net.set_attn_implementation("nanoasync_packed")
-    wrap_layers(net, compiled, checkpointing)
+    wrap_layers(net, compiled and varlen_runs(next(net.parameters()).device, dtype), checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in net.model.layers:
         fully_shard(layer, mp_policy=mp, reshard_after_forward=False)

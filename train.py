@@ -101,9 +101,7 @@ batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
-# compiled only with the varlen kernel: fp32's SDPA call a segment would recompile each micro-batch
-compiled = compile_layers and cuda and trainer_dtype != "float32"
-L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing, compiled)
+L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing, compile_layers)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, fused=cuda)
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
 
