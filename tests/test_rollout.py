@@ -152,7 +152,7 @@ def test_the_engines_start_no_more_than_the_budget_and_share_it(tiny):
     """Two real engines, eta = 0, drop_flat: nearly every group of the random model is flat, so
     each engine gives its start back as it sends it, and starts a replacement. Whenever a group
     arrives, the two engines together have started at most (v + 1) * batch_groups, v the newest
-    version announced, plus the flat groups they have sent; both engines generate at every
+    version announced, plus the flat groups they have sent; both engines generate at nearly every
     version (each has its half reserved after a load, budget.py)."""
     cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=8,
                max_model_len=128, batch_groups=4, group_size=4, rollout_seqs=16, max_staleness=0,
@@ -183,4 +183,8 @@ def test_the_engines_start_no_more_than_the_budget_and_share_it(tiny):
         started[e] = g["stats"]["rollout_started"]  # the other's: as of its last group, or fewer
         assert sum(started) <= (v + 1) * 4 + sum(flat), (i, e, v, started, flat)
         seen.add((e, g["version_min"]))
-    assert sum(flat) > 10 and seen >= {(e, v) for e in (0, 1) for v in range(5)}, (flat, seen)
+    # fair: each engine makes a third of the groups or more, at 4 of the first 5 versions or
+    # more (a version may pass while an engine's slots are still full of the last one's)
+    made = [sum(g["engine"] == e for g in groups) for e in (0, 1)]
+    at = [len({v for f, v in seen if f == e} & set(range(5))) for e in (0, 1)]
+    assert sum(flat) > 10 and min(made) >= sum(made) / 3 and min(at) >= 4, (flat, made, seen)
