@@ -1,15 +1,14 @@
-"""budget.py: when an engine may start a group. Batch k trains at version k, so a group started
-at version v is at most max_staleness old when trained if at most allowed(v) = (v - v0 +
-max_staleness + 1) * batch_groups groups started since the first version v0, net of those
-dropped. The engines count starts in one number in the store (an atomic add), giving back at
-once any past allowed(v): exact. For RESERVE_S after a load an engine takes only its equal share;
-then what the others left is anyone's: fair from the first step, and a slow, full or stopped
-engine holds no other back. A group also needs group_size free slots.
+"""budget.py: when an engine may start a group. Batch k trains at version k, so a group started at
+version v is at most max_staleness old when trained if at most allowed(v) = (v - v0 +
+max_staleness + 1) * batch_groups groups started since version v0, net of those dropped. Engines
+count starts in one number in the store (an atomic add) and give back at once any past allowed(v):
+exact. For RESERVE_S after a load each takes only its equal share; then what the others left is
+anyone's: fair from the first step, and a slow, full or stopped engine holds no other back.
 """
 import time
 
 RESERVE_S = 2.0  # after a load, how long the others' shares stay theirs
-LOOK_S = 0.01  # the budget spent: look again at most this often (a store round trip)
+LOOK_S = 0.01  # spent: look again at most this often (a store round trip)
 
 
 class Budget:
@@ -22,7 +21,8 @@ class Budget:
         self.look_at = 0.0  # no store round trip before
 
     def take(self, version, holding):  # -> how many groups start now; holding: our slots used
-        c, now = self.cfg, time.monotonic()
+        c = self.cfg
+        now = time.monotonic()
         if version != self.version:
             self.version, self.loaded_at = version, now
         free = (c["rollout_seqs"] - holding) // c["group_size"]

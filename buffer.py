@@ -1,7 +1,7 @@
-"""buffer.py: the groups engines sent, on rank 0, until the trainer takes a batch: usable ones in
-the order they came, dropping those too stale to train (others may start: budget.py) and, with
-drop_flat, those whose rewards are all equal (no signal). deal() splits a batch over the ranks.
-Simplifications: first in, first out; no priority, no replay, no memory cap beyond admission.
+"""buffer.py: rank 0 holds the groups engines sent until the trainer takes them, first in, first
+out. It drops groups too stale to train (their engine may start others: budget.py) and, with
+drop_flat, groups whose rewards are all equal (no signal). deal() splits a batch over the ranks.
+Simplifications: no priority, no replay, no memory cap but the budget.
 """
 import threading
 import time
@@ -19,9 +19,9 @@ class Buffer:
     def __init__(self, max_staleness, drop_flat, on_discard=lambda group: None, stall_s=0):
         self.max_staleness = max_staleness
         self.drop_flat = drop_flat
-        self.on_discard = on_discard  # a stale group's start goes back to the budget
+        self.on_discard = on_discard  # gives a stale group's start back to the budget
         self.stall_s = stall_s  # > 0: this long with nothing usable stops the run
-        self.groups = []  # as they came; an exception: its producer died (get() raises it)
+        self.groups = []  # as they came; an exception means its producer died
         self.cond = threading.Condition()
         self.dropped = {"stale": 0, "flat": 0}  # over the run
 
@@ -35,8 +35,8 @@ class Buffer:
         each second; report() each min(60, stall_s / 3) s, with what was dropped meanwhile."""
         check_alive()
         batch, seen = [], []
-        dropped, reported = [], 0  # dropped since the last usable group; how many reported
-        start = told = usable = time.perf_counter()  # usable: when the last usable group came
+        dropped, reported = [], 0  # since the last usable group; how many of them reported
+        start = told = usable = time.perf_counter()  # usable: when a usable group last came
         while len(batch) < n_groups:
             with self.cond:
                 while not self.groups:
@@ -74,13 +74,14 @@ def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 
     kinds = Counter(f"flat at reward {g['completions'][0]['reward']:g}" if g["dropped"] == "flat"
                     else g["dropped"] for g in dropped)
     listed = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    return f"{len(dropped)} groups dropped since the last usable one" + f": {listed}" * bool(kinds)
+    text = f"{len(dropped)} groups dropped since the last usable one"
+    return f"{text}: {listed}" if kinds else text
 
 
 def deal(groups, world_size):
-    """-> each rank's groups: the longest first, each to the rank with the fewest tokens yet (a
-    step lasts as long as its slowest rank). A flat group has no gradient: it goes only to a rank
-    that would have none (FSDP: every rank runs a forward and a backward)."""
+    """-> each rank's groups: the longest first, each to the rank with the fewest tokens yet, as
+    a step lasts as long as its slowest rank. A flat group has no gradient, so it goes only to a
+    rank that would have none (FSDP: every rank runs a forward and a backward)."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for g in sorted([g for g in groups if not is_flat(g)], key=tokens, reverse=True):
         r = load.index(min(load))

@@ -1,5 +1,5 @@
-"""configurator.py: train.py's config. Config files (config/*.py), then --key=value, override its
-defaults, each keeping its type; check() validates the rest. A mistake stops the run, says why."""
+"""configurator.py: train.py's config. Config files (config/*.py), then --key=value, override
+its defaults, each keeping its type; check() validates the rest. A mistake stops with why."""
 import ast
 import difflib
 import importlib.util
@@ -25,7 +25,7 @@ def _set(cfg, key, value, origin):
     cfg[key] = want(value)  # an int for a float: promoted
 
 
-def apply(scope, argv):  # argv overrides scope's config keys (train.py's globals); -> the config
+def apply(scope, argv):  # -> the config: scope's (train.py's globals), argv applied
     cfg = {k: v for k, v in scope.items() if k[0] != "_" and isinstance(v, (int, float, str))}
     for arg in argv:
         if not arg.startswith("--"):
@@ -36,20 +36,21 @@ def apply(scope, argv):  # argv overrides scope's config keys (train.py's global
                     _set(cfg, key, value, arg)
             continue
         key, eq, text = arg[2:].partition("=")
-        if not eq and type(cfg.get(key)) is not bool:
+        want = type(cfg.get(key))
+        if not eq and want is not bool:
             die(f"{arg!r} has no value: write --{key}=VALUE")
         try:
             value = ast.literal_eval(text if eq else "True")  # a bare --flag switches a bool on
         except (ValueError, SyntaxError):
             value = text  # a bare string: --model=data/tiny
-        if type(cfg.get(key)) is str and type(value) is not str:
+        if want is str and type(value) is not str:
             value = text  # as written: --rollout_cpus=1
         _set(cfg, key, value, arg)
     scope.update(cfg)
     return cfg
 
 
-def resolve_model(name):  # a local model folder, or a hub id (downloaded once) -> a local folder
+def resolve_model(name):  # -> a local folder: name, or the hub's copy of it (downloaded once)
     make = "`python prepare.py tiny|smollm2` makes one offline"
     if os.path.isdir(name):
         if not os.path.isfile(f"{name}/config.json"):
@@ -65,7 +66,7 @@ def resolve_model(name):  # a local model folder, or a hub id (downloaded once) 
             f"--model=DIR, or {make}")
 
 
-def check(cfg, world):  # what can be checked before a process starts; -> cfg, its model resolved
+def check(cfg, world):  # what can be checked before anything starts; -> cfg, model resolved
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     import reward
     if cfg["batch_groups"] % world:

@@ -1,6 +1,6 @@
-"""fleet.py: every node's engines, as the trainer sees them. place() gives them GPUs or CPU
-cores, spawn() starts them; on rank 0 Fleet holds the store and wires (sync.py), puts what the
-engines send into a Buffer, and knows if each runs. watch(): each rank's heartbeat and watch.
+"""fleet.py: the engines, as the trainer sees them. place() gives them GPUs or CPU cores,
+spawn() starts them, watch() is each rank's heartbeat; on rank 0 Fleet holds the store and
+wires (sync.py), puts what the engines send into a Buffer, and knows if each runs.
 """
 import json
 import os
@@ -31,16 +31,16 @@ def place(cfg, world, local_world, device, leader):
         ours = os.sched_getaffinity(0) - cores
         if cores and not borrow:
             os.sched_setaffinity(0, ours)
-        # a thread a core of ours (OpenMP's default, all cores, spins one on vLLM's)
+        # a thread a core of ours: OpenMP's default spins on vLLM's too
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or
                                   max(1, len(ours) // local_world)))
         return [[] for _ in range(E)] if leader else [], borrow
     torch.cuda.set_device(device)
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(
-        map(str, range(torch.cuda.device_count())))
-    # NANOASYNC_SHARE_GPU=1: engines on the trainer's GPU, not colocated (bench.py --gpu)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(g) for g in range(torch.cuda.device_count())]
+    # bench.py --gpu: engines on the trainer's GPU, not colocated
     share = cfg["colocate"] or os.environ.get("NANOASYNC_SHARE_GPU") == "1"
-    gpus, first = gpus.split(","), 0 if share else local_world
+    first = 0 if share else local_world
     if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
         die("colocate runs 1 trainer rank and 1 engine with tensor_parallel_size=1 on one GPU: "
             "--nproc_per_node=1 --rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
@@ -52,7 +52,7 @@ def place(cfg, world, local_world, device, leader):
 
 
 def spawn(cfg, engine_gpus, first, engines, host, plan):
-    """This node's engines, numbered first, first + 1, ..., as processes (not torchrun ranks)."""
+    """This node's engines, numbered from first, as processes (not torchrun ranks)."""
     import torch
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # workers: sync
@@ -63,9 +63,9 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):
         env.setdefault("TRITON_F32_DEFAULT", "ieee")
     share = cfg["gpu_memory_utilization"]
     if torch.cuda.is_available() and not cfg["colocate"] and sync.staged(cfg):
-        # the weights' staging copy is on vLLM's GPU: count it in vLLM's share
+        # the weights' staging copy counts in vLLM's share
         size = sum(n for _, n, _ in plan) * getattr(torch, cfg["rollout_dtype"]).itemsize
-        share -= size / torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        share -= size / torch.cuda.get_device_properties().total_memory
         if share < 0.05:
             die(f"the weights' staging copy ({size / 2**30:.1f} GiB) leaves vLLM too little of "
                 f"gpu_memory_utilization={cfg['gpu_memory_utilization']}: raise it, or "
@@ -77,9 +77,9 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):
 
 
 def watch(cfg, rank, world, local_world, nodes, engines=()):
-    """Rank `rank`'s heartbeat, watching every other rank and engine (and if it leads another
-    node, its `engines`' exits)."""
-    E, node = cfg["rollout_engines"], rank // local_world
+    """Rank `rank`'s heartbeat, watching every other rank and engine, and `engines`' exits."""
+    E = cfg["rollout_engines"]
+    node = rank // local_world
     peers = {f"rank{r}": f"trainer rank {r} (node {r // local_world})"
              for r in range(world) if r != rank}
     peers.update({f"beat{e}": f"rollout process {e} (node {e // E})" for e in range(E * nodes)})
@@ -88,7 +88,7 @@ def watch(cfg, rank, world, local_world, nodes, engines=()):
                           lambda store: report_exits(engines, node * E, node))
 
 
-class Fleet:  # trainer rank 0's end of every engine (the other ranks only join pushes)
+class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
     def __init__(self, cfg, plan, device, engine_gpus, ckpt, stop_requested, nodes=1, world=1,
                  local_world=1):
         self.engines = cfg["rollout_engines"] * nodes
@@ -99,9 +99,9 @@ class Fleet:  # trainer rank 0's end of every engine (the other ranks only join 
         self.done = set(ckpt.get("done", []))  # prompt stream positions taken
         self.next = ckpt.get("next", 0)  # every position below it is taken
         self.procs = []  # node 0's engines
-        host, timeout = os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["timeout_s"]
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         try:  # port taken, or an engine died starting
-            self.store = sync.open_store(host, cfg["rollout_port"], True, timeout)
+            self.store = sync.open_store(host, cfg["rollout_port"], True, cfg["timeout_s"])
             self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
                                                 "next": self.next, "done": sorted(self.done)}))
             keys = [f"rank{r}" for r in range(world)] + [f"beat{e}" for e in range(self.engines)]
@@ -115,10 +115,10 @@ class Fleet:  # trainer rank 0's end of every engine (the other ranks only join 
         except (RuntimeError, TimeoutError) as e:
             kill(self.procs)
             die(str(e))
-        self.ctl, trajs = sync.connect(self.store, 0, self.engines, timeout)
+        self.ctl, trajs = sync.connect(self.store, 0, self.engines, cfg["timeout_s"])
         self.sender = sync.Sender(self.store, plan, cfg, device,
                                   self.engines * cfg["tensor_parallel_size"])
-        # a stale group's start goes back to the budget: another may start
+        # a stale group's start goes back to the budget
         discard = lambda g: budget.give_back(self.store)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped = dict(zip(("stale", "flat"), ckpt.get("dropped", [0, 0])))
@@ -129,7 +129,7 @@ class Fleet:  # trainer rank 0's end of every engine (the other ranks only join 
 
     def check_alive(self, stoppable=True):
         """Raises for a signal (not in a push, which every rank must finish) or an exit of one
-        of our engines. (A silent rank or engine, of any node: the heartbeats end us.)"""
+        of our engines; the heartbeats catch a silent rank or engine, of any node."""
         if stoppable and self.stop_requested():
             raise Stopped(signal.Signals(self.stop_requested()[0]).name)
         for e, p in enumerate(self.procs):
@@ -137,7 +137,7 @@ class Fleet:  # trainer rank 0's end of every engine (the other ranks only join 
                 raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
                                    f"{p.returncode}; its output, if any, is above")
 
-    def receive(self, traj):  # thread: an engine's messages into the buffer, until its bye
+    def receive(self, traj):  # a thread per engine, until its bye
         try:
             while (msg := sync.recv_obj(traj, 1))["kind"] != "bye":
                 self.stats[msg["engine"]] = msg["stats"]
@@ -157,13 +157,13 @@ class Fleet:  # trainer rank 0's end of every engine (the other ranks only join 
             self.done.remove(self.next)
             self.next += 1
         return {"next": self.next, "done": sorted(self.done),
-                "dropped": [self.buffer.dropped["stale"], self.buffer.dropped["flat"]]}
+                "dropped": [self.buffer.dropped[why] for why in ("stale", "flat")]}
 
     def rollout_stats(self):
         """The engines' counters, summed; the share of its slots each engine's vLLM ran over
         its steps since the last call (their mean); their last loads' mean pause."""
-        now, last = {e: dict(s) for e, s in self.stats.items()}, self.last
-        delta = lambda e, k: now[e][k] - last.get(e, {}).get(k, 0)
+        now = {e: dict(s) for e, s in self.stats.items()}
+        delta = lambda e, k: now[e][k] - self.last.get(e, {}).get(k, 0)
         fracs = [delta(e, "rollout_running") / delta(e, "rollout_steps") for e in now
                  if delta(e, "rollout_steps")]
         self.last = now
@@ -171,7 +171,7 @@ class Fleet:  # trainer rank 0's end of every engine (the other ranks only join 
                 "rollout_running_frac": sum(fracs) / len(fracs) if fracs else None,
                 "rollout_pause_s": sum(s["rollout_pause_s"] for s in now.values()) / len(now)}
 
-    def wait(self, done, timeout_s):  # -> done(), checked every 0.1 s, at most timeout_s
+    def wait(self, done, timeout_s):
         deadline = time.time() + timeout_s
         while not done() and time.time() < deadline:
             self.check_alive()

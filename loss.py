@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
 
-def tokens(group):  # the positions a group takes in a packed micro-batch
+def tokens(group):  # its length packed in a micro-batch
     return len(group["prompt_ids"]) + sum(len(c["ids"]) - 1 for c in group["completions"])
 
 
@@ -37,53 +37,53 @@ def micro_batches(groups, budget):
 
 def pack(groups):
     """A micro-batch as one sequence, on the host; a completion's last token is never read.
-    Attention goes by segments (a prompt over itself, a completion over its prompt and itself):
-    `keys` lists each one's keys in a row, `cu_q` and `cu_k` where each starts (as FlashAttention
-    takes them). Token t of a completion is predicted at `src`: its prompt's last position for
-    t = 0, else its own t - 1."""
-    ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: each segment's (queries, keys)
+    Attention goes by segments (a prompt over itself, a completion over its prompt and itself),
+    in FlashAttention's form: `keys` lists each one's keys, `cu_q` and `cu_k` where each starts.
+    Token t of a completion is predicted at `src`: its t - 1, for t = 0 its prompt's end."""
+    ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: a segment's (queries, keys)
     for g in groups:
         P = len(g["prompt_ids"])
-        prompt = np.arange(sum(map(len, ids)), sum(map(len, ids)) + P)
+        prompt = sum(map(len, ids)) + np.arange(P)
         ids.append(g["prompt_ids"])
         pos.append(np.arange(P))
         keys.append(prompt)
         sizes.append((P, P))
         for c in g["completions"]:
             n = len(c["ids"]) - 1
-            own = np.arange(sum(map(len, ids)), sum(map(len, ids)) + n)
+            own = sum(map(len, ids)) + np.arange(n)
             ids.append(c["ids"][:-1])
             pos.append(np.arange(P, P + n))
             src.append(np.concatenate([prompt[-1:], own]))
-            if n:  # a one-token answer reads nothing: no segment
+            if n:  # a one-token answer has no segment
                 keys += [prompt, own]
                 sizes.append((n, P + n))
     cu_q, cu_k = np.cumsum([(0, 0)] + sizes, axis=0).T
     comps = [c for g in groups for c in g["completions"]]
     C, T = len(comps), max(len(c["ids"]) for c in comps)
-    padded = lambda key, dtype: np.stack([np.pad(np.asarray(c[key], dtype), (0, T - len(c[key])))
-                                          for c in comps])
+    joined = lambda parts: np.concatenate(parts).astype(np.int64)
+    padded = lambda key, dtype: np.stack(
+        [np.pad(np.asarray(c[key], dtype), (0, T - len(c[key]))) for c in comps])
     return dict(
-        ids=np.concatenate(ids).astype(np.int64),  # [L] the packed sequence
-        pos=np.concatenate(pos).astype(np.int64),  # [L] its positions for RoPE
-        keys=np.concatenate(keys).astype(np.int64),  # [K]
+        ids=joined(ids),  # [L] the packed sequence
+        pos=joined(pos),  # [L] its positions for RoPE
+        keys=joined(keys),  # [K]
         segments=list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
                           cu_k[1:].tolist())),  # [(first query, end, first key, end)]
         cu_q=cu_q.astype(np.int32), cu_k=cu_k.astype(np.int32),  # [S + 1]
         max_q=int(np.diff(cu_q).max()), max_k=int(np.diff(cu_k).max()),  # a segment's longest
-        src=np.concatenate(src).astype(np.int64),  # [N], N: the completions' tokens
-        targets=np.concatenate([c["ids"] for c in comps]).astype(np.int64),  # [N]
-        at=np.concatenate([c * T + np.arange(len(comps[c]["ids"])) for c in range(C)]),  # in C x T
+        src=joined(src),  # [N], the completions' tokens
+        targets=joined([c["ids"] for c in comps]),  # [N]
+        at=joined([c * T + np.arange(len(comps[c]["ids"])) for c in range(C)]),  # in C x T
         behav=padded("logprobs", np.float32),  # [C, T] vLLM's, 0 past the end
         versions=padded("versions", np.int64),  # [C, T] the version that sampled each
-        mask=padded("mask", np.float32),  # [C, T] 1: the model's token (not a tool's, not past)
+        mask=padded("mask", np.float32),  # [C, T] 1: the model's token, not a tool's
         rewards=np.array([c["reward"] for c in comps], np.float32),  # [C]
         C=C, T=T)
 
 
 def to_device(batch, device):
-    """The arrays to `device`; on a GPU from pinned memory, not blocking (a blocking copy waits
-    for the work queued before: the device's queue would run dry)."""
+    """The arrays to `device`; on a GPU from pinned memory, not blocking (a blocking copy
+    waits for the queued work, and the GPU idles)."""
     out = dict(batch)
     for k, x in batch.items():
         if isinstance(x, np.ndarray):
@@ -92,23 +92,23 @@ def to_device(batch, device):
     return out
 
 
-VARLEN = True  # FlashAttention's varlen kernel where it runs (bench.py --trainer compares)
+VARLEN = True  # FlashAttention's varlen kernel where it runs (bench.py compares)
 VARLEN_TAKES = inspect.signature(varlen_attn).parameters  # once: not traced in every layer
 
 
-def varlen_runs(device, dtype):  # else an SDPA call a segment: a Python loop, compiled per shape
+def varlen_runs(device, dtype):  # else a Python loop of SDPA calls, compiled per shape
     return VARLEN and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
     """HF's attention interface over pack(): q [1, H, L, D], k, v [1, Hkv, L, D] -> [1, L, H, D].
-    Causal in a segment, its queries at the end of its keys (a completion's first one sees its
-    whole prompt). HF builds no mask for an implementation of ours."""
+    Causal in a segment, its queries at the end of its keys (a completion's first sees its whole
+    prompt). HF builds no mask for ours."""
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
-    k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]: each segment's keys in a row
-    if varlen_runs(q.device, q.dtype):  # FlashAttention
+    k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]
+    if varlen_runs(q.device, q.dtype):
         return varlen(q, k, v, packed, scaling)[None], None
-    out = torch.empty_like(q)  # CPU, fp32: the same segments, an SDPA call each
+    out = torch.empty_like(q)  # CPU, fp32: an SDPA call a segment
     for q0, q1, k0, k1 in packed["segments"]:
         causal = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
         seg = [x.transpose(0, 1) for x in (q[q0:q1], k[k0:k1], v[k0:k1])]  # [heads, n, D]
@@ -119,8 +119,8 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
 
 
 def varlen(q, k, v, packed, scaling):
-    """torch's FlashAttention-2 varlen kernel: causal aligned bottom-right, grouped-query heads
-    served by the kernel itself (2.13 asks for enable_gqa to be said; 2.11 has no such flag)."""
+    """FlashAttention-2's varlen kernel in torch, causal bottom-right, grouped-query heads in it
+    (torch 2.13 wants enable_gqa said; 2.11 has no such flag)."""
     gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}
     return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], packed["max_q"], packed["max_k"],
                        scale=scaling, window_size=(-1, 0), **gqa)
@@ -129,15 +129,15 @@ def varlen(q, k, v, packed, scaling):
 AttentionInterface.register("nanoasync_packed", packed_attention)
 
 
-def mm32(a, b):  # a @ b with fp32 sums and result (on a GPU: from bf16, on tensor cores)
+def mm32(a, b):  # a @ b, fp32 sums and result (on a GPU from bf16, on tensor cores)
     if a.is_cuda and a.dtype != torch.float32:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
 class SampledLogprob(torch.autograd.Function):
-    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time, in fp32: bf16 logits round to
-    3 digits, and vLLM's output layer runs in fp32 too. Unless `keep`, backward recomputes."""
+    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time, in fp32 like vLLM (bf16 logits
+    round to 3 digits). Unless `keep`, backward recomputes."""
 
     @staticmethod
     def forward(ctx, h, w, ids, temperature, rows, keep):
@@ -156,7 +156,7 @@ class SampledLogprob(torch.autograd.Function):
         grad_h, grad_w = torch.empty_like(h), 0
         for k, i in enumerate(range(0, len(h), ctx.rows)):
             x, y = h[i:i + ctx.rows], ids[i:i + ctx.rows]
-            p = ctx.probs[k]  # in place from here: it is needed no more
+            p = ctx.probs[k]  # overwritten: not needed after
             if p is None:
                 p = (mm32(x, w.t()) / ctx.temperature).softmax(-1)
             g = p.neg_()
@@ -168,9 +168,9 @@ class SampledLogprob(torch.autograd.Function):
 
 
 def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
-    """One forward of pack() on the device -> logp [C, T], 0 past each completion's end. For the
-    call, the output layer returns the sampled tokens' logprobs [N], not [L, V] logits (patched,
-    not called after the body: FSDP's hooks on the root gather its weights)."""
+    """One forward of pack() -> logp [C, T], 0 past each completion's end. The output layer is
+    patched to return the sampled tokens' logprobs [N], not [L, V] logits; called after the
+    body, it would miss FSDP's root hooks that gather its weights."""
     head = net.get_output_embeddings()
     packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k", "max_q", "max_k")}
 
@@ -194,10 +194,10 @@ def group_advantages(rewards, group_size):  # no division by the std (the result
 
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
-    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks add up
-    to its token mean). -> (loss, tokens whose weight was bounded)"""
+    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's, so micro-batches and ranks add
+    up to its token mean. -> (loss, tokens whose weight was bounded)"""
     mask = mask.to(logp.dtype)
-    # one ratio per completion, its tokens' geometric mean (per token did worse: the results log)
+    # one ratio a completion, its tokens' geometric mean (per token did worse: the results log)
     n = mask.sum(1, keepdim=True).clamp(min=1)
     log_rho = ((logp.detach() - behav) * mask).sum(1, keepdim=True) / n
     bounded = ((log_rho > math.log(high)) | (log_rho < math.log(low))) & (mask > 0)
@@ -208,10 +208,9 @@ def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
 
 
 def wrap_layers(net, compiled, checkpointing):
-    """torch.compile each decoder layer's body (it fuses the elementwise work between the matrix
-    products, a third of a step's GPU time at 1.5B), then, if asked, checkpoint it: each layer
-    keeps its input only and runs again in backward. The compiled body goes inside the
-    checkpoint: compiling the layer around one compiled nothing (the results log)."""
+    """Compile each decoder layer's body (it fuses the elementwise work between matmuls, a third
+    of a step's GPU time at 1.5B), then maybe checkpoint it: keep only its input, run it again in
+    backward. Compiling around the checkpoint instead compiled nothing (the results log)."""
     for layer in net.model.layers:
         if compiled:
             layer.forward = torch.compile(layer.forward)
@@ -221,7 +220,7 @@ def wrap_layers(net, compiled, checkpointing):
 
 def shard(net, dtype, checkpointing=False, compiled=False):
     """FSDP2 on each decoder layer and the root: fp32 master weights and gradient reduction,
-    `dtype` compute, the packed attention. Weights stay gathered through a step (train.py): no
+    `dtype` compute, packed attention. Weights stay gathered through a step (train.py): no
     collective between micro-batches, for 6 bytes a parameter a rank (weights, fp32 grads)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     net.set_attn_implementation("nanoasync_packed")

@@ -1,21 +1,21 @@
-"""metrics.py: rank 0's log: metrics.jsonl (a row per step and per eval), samples.jsonl (answers of
-each step, and of groups dropped while waiting) and the console. README: the keys worth watching."""
+"""metrics.py: rank 0's log: rows of metrics.jsonl (and the tracker), answers in samples.jsonl,
+lines on the console. README names the keys worth watching."""
 import importlib
 import json
 import os
 import time
 from statistics import fmean as mean
 
-# per-token sums each rank adds up over its micro-batches, all-reduced once a step
+# per-token sums over a rank's micro-batches, all-reduced once a step
 SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "whole", "shift_whole",
         "k3_whole")
 
 
 def token_sums(loss, bounded, logp, behav, mask, fresh):
-    """A micro-batch's share of SUMS; fresh: tokens sampled by the weights being trained."""
+    """A micro-batch's share of SUMS; fresh: the tokens the trained weights sampled."""
     import torch
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
-    whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # all by them, tokens and KV cache
+    whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # their KV cache is fresh too
     log_rho = logp.detach() - behav
     # k3 = rho - 1 - log rho: an unbiased estimate of KL(vLLM || trainer), never negative
     k3 = torch.expm1(log_rho) - log_rho
@@ -28,7 +28,7 @@ def ratio(a, b):
     return a / b if b else None  # None: no such tokens this step
 
 
-def reopen(path, start):  # resumed: the lines before the checkpoint stay; line-buffered
+def reopen(path, start):  # on resume, the rows before the checkpoint stay
     kept = open(path).readlines() if start and os.path.exists(path) else []
     f = open(path, "w", buffering=1)
     f.writelines(line for line in kept if json.loads(line)["step"] < start)
@@ -37,11 +37,12 @@ def reopen(path, start):  # resumed: the lines before the checkpoint stay; line-
 
 class Log:
     def __init__(self, cfg, start, ckpt):
-        self.cfg, self.run = cfg, None  # run: the tracker's (wandb and trackio: one API)
+        self.cfg = cfg
+        self.run = None  # wandb and trackio share one API
         if cfg["tracker"]:
-            self.run = importlib.import_module(cfg["tracker"]).init(
-                project="nanoasync", name=os.path.basename(os.path.abspath(cfg["out_dir"])),
-                config=cfg)
+            tracker = importlib.import_module(cfg["tracker"])
+            name = os.path.basename(os.path.abspath(cfg["out_dir"]))
+            self.run = tracker.init(project="nanoasync", name=name, config=cfg)
         self.t_start = time.perf_counter() - ckpt.get("elapsed_s", 0.0)
         self.gen_tokens = ckpt.get("gen_tokens", 0)
         self.metrics = reopen(f"{cfg['out_dir']}/metrics.jsonl", start)
@@ -52,19 +53,20 @@ class Log:
 
     def step(self, step, groups, seen, sums, fleet, **extra):
         """groups: the batch trained; seen: every group taken from the buffer; sums: SUMS."""
-        s, comps = dict(zip(SUMS, sums)), [c for g in groups for c in g["completions"]]
+        s = dict(zip(SUMS, sums))
+        comps = [c for g in groups for c in g["completions"]]
+        taken = [c for g in seen for c in g["completions"]]  # the dropped ones too
         stale = [step - int(c["versions"].min()) for c in comps]
         n = [len(c["ids"]) for c in comps]
-        self.gen_tokens += int(sum(c["mask"].sum() for g in seen for c in g["completions"]))
+        self.gen_tokens += int(sum(c["mask"].sum() for c in taken))
         m = {"step": step, "version": step + 1, "samples": (step + 1) * len(comps),
-             "reward_mean": mean([c["reward"] for g in seen for c in g["completions"]]),
-             "response_len_mean": mean(n),
+             "reward_mean": mean([c["reward"] for c in taken]), "response_len_mean": mean(n),
              "staleness_mean": mean(stale), "staleness_max": max(stale),
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(fleet.engines)],
-             # the health metric: a jump means wrong weights or a wrong sampled distribution
+             # the health metric: a jump means wrong weights or wrong sampling
              "loss": s["loss"], "logprob_mismatch": ratio(s["shift_whole"], s["whole"]),
              "logprob_kl_k3": ratio(s["k3_whole"], s["whole"]),
-             # fresh tokens of completions that lived through a load: old weights made their KV
+             # fresh tokens whose KV cache older weights made (across a load)
              "logprob_shift_reloaded": ratio(s["shift_fresh"] - s["shift_whole"],
                                              s["fresh"] - s["whole"]),
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
@@ -84,14 +86,14 @@ class Log:
         self.sample(groups[:2], step=step)
         self.evals(fleet.evals)
 
-    def sample(self, groups, **tag):  # samples.jsonl: two answers of each group
+    def sample(self, groups, **tag):  # two answers of each group to samples.jsonl
         for g in groups:
             for c in g["completions"][:2]:
-                print(json.dumps({**tag, "prompt": g["prompt"], "completion": c["text"], "reward":
-                                  c["reward"], "versions": sorted(set(c["versions"].tolist()))}),
-                      file=self.completions)
+                row = {**tag, "prompt": g["prompt"], "completion": c["text"], "reward": c["reward"],
+                       "versions": sorted(set(c["versions"].tolist()))}
+                print(json.dumps(row), file=self.completions)
 
-    def waiting(self, text, groups):  # buffer.get waits with nothing to train: what it dropped
+    def waiting(self, text, groups):  # buffer.get's report while it waits for a batch
         print(text, flush=True)
         for g in groups[-2:]:
             self.sample([g], dropped=g["dropped"])
@@ -99,15 +101,15 @@ class Log:
     def evals(self, evals):
         while evals:
             e = evals.pop(0)
-            lo, hi = e["eval_versions"]  # it ran across loads: the weights its tokens came from
+            lo, hi = e["eval_versions"]  # the versions its tokens came from
             print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} "
                   f"(n={e['eval_n']}, weights {lo}..{hi})", flush=True)
-            self.write({"step": e["version"], "elapsed_s": e["t"] - self.t_start, **{
-                k: e[k] for k in e if k == "version" or k.startswith("eval_")}})
+            row = {k: e[k] for k in e if k == "version" or k.startswith("eval_")}
+            self.write({"step": e["version"], "elapsed_s": e["t"] - self.t_start, **row})
 
     def write(self, m):  # a metrics.jsonl row, and the tracker's
         print(json.dumps(m), file=self.metrics)
-        if self.cfg["tracker"] == "trackio":  # it keeps "step" for its own, which may repeat
+        if self.cfg["tracker"] == "trackio":  # "step" is its own, and ours may repeat
             self.run.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
         elif self.run:  # wandb's own step must grow: an eval shares m["step"] with a step's row
             self.run.log(m)

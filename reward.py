@@ -1,6 +1,6 @@
-"""reward.py: the tasks and the processes that run their code. A task (load_task) is problems
-(train and eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward and maybe
-turn(text, answer) -> the tool's words after a model turn (the model goes on), or None (final).
+"""reward.py: the tasks, and processes to run their code. A task (load_task) is problems (train
+and eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward, and maybe
+turn(text, answer) -> the tool's words after a model turn, or None if it is final.
 Grades and tools run in worker processes beside the engine loop; one past its time limit dies
 with its process (sympy can spin in C, where no signal reaches). Simplifications: reward 1 or 0
 (rg: its scorer's); no format reward; a tool's words are plain text; a failed call ends it."""
@@ -22,7 +22,7 @@ JSONL_HINT = "a jsonl file of {question, answer} lines"
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k's ask
 
 
-def problems(rows, instruction=""):  # {"question", "answer"} rows ("... #### 42": 42)
+def problems(rows, instruction=""):  # {"question", "answer"} rows ("... #### 42" -> 42)
     return [{"id": i, "prompt": (r["question"] + " " + instruction).strip(),
              "answer": str(r["answer"]).split("####")[-1].strip()} for i, r in enumerate(rows)]
 
@@ -49,7 +49,7 @@ def read_jsonl(path):
 
 
 def gsm8k(data_path, seed, n_eval, instruction=BOXED):
-    """data_path: a hub dataset id (openai/gsm8k; its test split held out) or a jsonl file."""
+    """data_path: a jsonl file, or a hub dataset id (openai/gsm8k: its test split held out)."""
     if data_path.endswith(".jsonl") and not os.path.isfile(data_path):  # a hub id has a "/" too
         raise ValueError(f"data_path {data_path!r} not found: point --data_path= at {JSONL_HINT}")
     if not data_path:
@@ -79,7 +79,7 @@ SHOT = ("A farm has 125 cows and buys 37 more. How many cows does it have?", "12
 
 
 def calculator(seed, n_eval, tool=True, n=5000):
-    """Products too large for a small model's head, in words, after one worked example (a sum)."""
+    """Products too large for a small model's head, in words, after a worked example (a sum)."""
     q, expr, value = SHOT
     shown = f"{CALL[0]}{expr}{CALL[1]}<result>{value}</result>" if tool else f"{expr} = {value}."
     chat = [{"role": "user", "content": q},
@@ -97,7 +97,7 @@ OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 
 
 def calculate(node):
-    """+ - * / and brackets on numbers, by walking the parsed expression: never eval."""
+    """+ - * / and brackets on numbers, walking the parsed expression (never eval)."""
     if isinstance(node, str):
         node = ast.parse(node.replace(",", "").replace("x", "*").strip(" ="), mode="eval").body
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -109,7 +109,7 @@ def calculate(node):
 
 
 def calculator_turn(text, answer):
-    """After a model turn: <result>value</result> if it ended in a call, else None (final)."""
+    """After a model turn: <result>value</result> if it ended in a call, else None."""
     if not text.endswith(CALL[1]):
         return None
     try:
@@ -120,12 +120,12 @@ def calculator_turn(text, answer):
     return f"<result>{v}</result>"
 
 
-def grade_calculator(text, answer):  # the number the model states after the last result
+def grade_calculator(text, answer):  # the number stated after the last result
     return grade_number(text.rpartition("</result>")[2], answer)
 
 
 def reasoning_gym(name, seed, n_eval, n=5000):
-    """It makes problem k from seed + k: train, held-out and the worked example (without one a small
+    """Problem k comes from seed + k: train, held-out and the worked example (without one a small
     model ignores the system prompt's <answer> tags) take disjoint seeds."""
     try:
         import reasoning_gym as rg
@@ -144,18 +144,18 @@ def reasoning_gym(name, seed, n_eval, n=5000):
 
 
 @functools.cache
-def rg_scorer(name):  # its dataset object, made once per grader process
+def rg_scorer(name):  # made once per grader process
     import reasoning_gym
     return reasoning_gym.get_score_answer_fn(name)
 
 
-def grade_rg(name, text, entry):  # the dataset's own scorer, on the last <answer> tags
+def grade_rg(name, text, entry):  # its own scorer, on the last <answer> tags
     from reasoning_gym.utils import extract_answer
     return rg_scorer(name)(extract_answer(text), entry)
 
 
 def load_task(cfg):
-    """stop: the text that ends a model turn calling the tool (vLLM stops there, then turn runs)."""
+    """stop: the text that ends a model turn calling the tool (vLLM stops there; turn runs)."""
     turn = stop = None
     if cfg["task"] == "arithmetic":
         (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
@@ -165,7 +165,7 @@ def load_task(cfg):
         tool = cfg["max_turns"] > 1
         (train, test), grade = calculator(cfg["seed"], cfg["eval_n"], tool), grade_calculator
         turn, stop = (calculator_turn, CALL[1]) if tool else (None, None)
-    elif cfg["task"].startswith("rg:"):  # an answer: its reasoning-gym entry, for grade_rg
+    elif cfg["task"].startswith("rg:"):  # an answer is its reasoning-gym entry
         train, test = reasoning_gym(cfg["task"][3:], cfg["seed"], cfg["eval_n"])
         grade = functools.partial(grade_rg, cfg["task"][3:])
     else:
@@ -174,7 +174,7 @@ def load_task(cfg):
 
 
 def extract_answer(text):
-    """The last \\boxed{...} content if there is one, else the last number; None if neither."""
+    """The last number in the last \\boxed{...}, or in the text if none boxed; else None."""
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
     nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", boxed[-1] if boxed else text)
     return nums[-1].replace(",", "").rstrip(".") if nums else None
@@ -190,11 +190,11 @@ def grade_number(text, answer):
 
 def grade_math(text, answer):
     import logging
-    import math_verify  # its timers (SIGALRM) off: the time limit is the Workers' kill
+    import math_verify  # its SIGALRM timers off: Workers kill at the time limit
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": it is ours
     gold = math_verify.parse(answer, parsing_timeout=None)
-    return float(math_verify.verify(gold, math_verify.parse(text, parsing_timeout=None),
-                                    timeout_seconds=None))
+    return float(math_verify.verify(
+        gold, math_verify.parse(text, parsing_timeout=None), timeout_seconds=None))
 
 
 def safely(fn, text, answer):  # -> (result, failed): a grade's float, a tool's text, None
@@ -207,30 +207,30 @@ def safely(fn, text, answer):  # -> (result, failed): a grade's float, a tool's 
         return None, True
 
 
-def is_flat(group):  # every completion got the same reward: no signal for GRPO
+def is_flat(group):  # all rewards equal: no signal for GRPO
     return len({c["reward"] for c in group["completions"]}) == 1
 
 
-def die_with_parent():  # an engine or grader process: its parent, not a signal, ends it
+def die_with_parent():  # an engine or grader ends with its parent, not by a signal
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the whole process group
         signal.signal(sig, signal.SIG_IGN)
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _work_forever(conn):  # a worker process: [(fn, text, answer)] in, (result, failed) out
-    die_with_parent()  # the engine ends us
+    die_with_parent()
     while True:
         try:
             jobs = conn.recv()
         except EOFError:  # the engine is gone
             return
-        for job in jobs:  # one reply per answer: the engine times each answer
+        for job in jobs:  # a reply per answer: the engine times each
             conn.send(safely(*job))
 
 
 class Workers:
-    """Processes for grades and tools: submit() queues fn(text, answer) (a module's function);
-    poll() sends each idle worker its share of the queue, -> [(key, result, failed)] done since."""
+    """Processes for grades and tools: submit() queues fn(text, answer), fn a module's function;
+    poll() sends each idle worker its share of the queue -> [(key, result, failed)] done since."""
 
     def __init__(self, workers=2, timeout_s=5.0):
         self.timeout_s = timeout_s
@@ -242,7 +242,7 @@ class Workers:
         conn, theirs = self.ctx.Pipe()
         proc = self.ctx.Process(target=_work_forever, args=(theirs,), daemon=True)
         proc.start()
-        # jobs: sent, not done; since: when the one at their head reached the worker
+        # jobs: sent, not done; since: when the first reached the worker
         return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}
 
     @property
@@ -252,7 +252,7 @@ class Workers:
     def submit(self, key, fn, text, answer):
         self.queue.append((key, fn, text, answer))
 
-    def wait(self, timeout):  # until a result comes back, at most timeout seconds
+    def wait(self, timeout):  # for a result, at most timeout seconds
         conns = [w["conn"] for w in self.pool if w["jobs"]]
         if conns:
             multiprocessing.connection.wait(conns, timeout)
@@ -273,7 +273,7 @@ class Workers:
                 self.queue.extendleft(reversed(w["jobs"]))  # the rest of its batch, first again
                 self.pool[n] = self.start()
         idle = [w for w in self.pool if not w["jobs"]]
-        for k, w in enumerate(idle):  # an even share each: the queue is spread over the pool
+        for k, w in enumerate(idle):  # each an even share of the queue
             share = -(-len(self.queue) // (len(idle) - k))
             if not share:
                 break

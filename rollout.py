@@ -1,12 +1,9 @@
-"""rollout.py: one process per vLLM engine, stepped by hand, never waiting for the trainer.
-Between two steps it copies in the weights announced (received while it generated; requests in
-flight go on), starts groups (budget.py), hands finished turns to worker processes (reward.py)
-and sends graded groups to rank 0. A turn the tool answers goes on as a new request over the
-dialogue, the tool's tokens as context. Engine 0 runs the evals too. A token's version: load()
-appends (version, first token) to each request's `spans`. Simplifications: the engine core in
-this process (on a GPU, vLLM's async scheduling keeps it busy meanwhile); a group is n=1
-requests sharing their prompt's KV cache; no top-k/top-p (the logprobs would be of a truncated
-distribution); no speculative decoding.
+"""rollout.py: one process per vLLM engine, stepped by hand, never waiting for the trainer. Between
+steps it loads the weights announced (requests in flight go on), starts groups (budget.py), hands
+finished turns to workers (reward.py) and sends graded groups to rank 0. A turn the tool answers
+goes on as a new request over the dialogue. Simplifications: the engine core runs in this process
+(on a GPU, async scheduling keeps it busy); a group is n=1 requests sharing their prompt's KV
+cache; no top-k/top-p (the logprobs would be of a truncated distribution); no speculative decoding.
 """
 import json
 import os
@@ -27,31 +24,31 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
-# an engine's counts over the run, in every message (pause: its last load's)
+# an engine's counts, in every message (the pause: its last load's)
 COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "
             "rollout_load_s rollout_pause_s rollout_grade_s rollout_steps rollout_running "
             "rollout_started").split()
 
-# ---- the record an engine sends the trainer (finish_group() adds the rest) ----
+# ---- what an engine sends the trainer ----
 TOKENS = dict(ids=np.int32, logprobs=np.float32, versions=np.int32, mask=np.int32)  # per token
 
 
-def completion():  # an answer, built turn by turn; TOKENS' lists go as arrays
-    return {"ids": [],  # its tokens, the model's and the tool's
-            "logprobs": [],  # vLLM's, of the distribution sampled (the tool's: 0)
+def completion():  # an answer, built turn by turn
+    return {"ids": [],  # the model's tokens and the tool's
+            "logprobs": [],  # of the distribution sampled (the tool's: 0)
             "versions": [],  # the policy version that computed each
-            "mask": [],  # 1: the model's token, trained; 0: the tool's, context
+            "mask": [],  # 1: the model's, trained; 0: the tool's
             "text": "",  # the tool's words included
             "turns": 0,  # model turns: tool calls + 1
-            "cut": False}  # it reached max_new_tokens; then "reward", its grade
+            "cut": False}  # hit max_new_tokens; then "reward", its grade
 
 
-def extend(c, ids, logprobs, versions, model):  # model: 1 trained, 0 the tool's (context)
+def extend(c, ids, logprobs, versions, model):
     for key, xs in zip(TOKENS, (ids, logprobs, versions, [model] * len(ids))):
         c[key] += xs
 
 
-def token_versions(spans, n):  # spans: [(version, its first token)], in load order
+def token_versions(spans, n):  # spans in load order
     versions = np.empty(n, np.int32)
     for version, first in spans:  # each load takes over from its first token on
         versions[first:] = version
@@ -78,8 +75,7 @@ def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
     # room (and CUDA graphs) for the training sequences and engine 0's evals
     seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)
-    # processed_logprobs: of the distribution sampled; the output layer in fp32, as the
-    # trainer's; blocks of 32: prefix caching shares whole blocks (CPU's 128: none)
+    # the trainer's fp32 output layer; prefix caching shares whole blocks only (CPU's 128: none)
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"] + e,
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
                gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
@@ -100,7 +96,7 @@ def stop_settings(tok, stop):
     return dict(stop=stop, detokenize=True, include_stop_str_in_output=True)
 
 
-class Rollout:  # an engine's loop, and its state between two engine steps
+class Rollout:
     def __init__(self, cfg, e):
         self.cfg, self.e = cfg, e
         self.start_engine()
@@ -110,16 +106,16 @@ class Rollout:  # an engine's loop, and its state between two engine steps
         self.spans = {}  # request id -> [(version, its first token)]
         self.pending = None  # a version announced, not loaded yet
         self.holding = 0  # slots our training sequences hold, in vLLM or a tool call
-        self.in_vllm = 0  # training sequences in vLLM now
+        self.in_vllm = 0  # of those, in vLLM now
         self.perm = {}  # epoch -> the order of its prompts
         self.idle = ""  # our mark in the store (mark_idle)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["skipped_long"] = self.skipped if e == 0 else 0
         self.budget = budget.Budget(self.store, cfg, e, self.v0)
-        self.inbox = queue.Queue()  # versions announced, from receive()
+        self.inbox = queue.Queue()  # from receive()
         threading.Thread(target=self.receive, daemon=True).start()
 
-    def start_engine(self):  # vLLM, the task, its workers, how a turn ends
+    def start_engine(self):
         import torch
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.llm = make_llm(self.cfg, "cuda" if torch.cuda.is_available() else "cpu", self.e)
@@ -129,12 +125,12 @@ class Rollout:  # an engine's loop, and its state between two engine steps
         self.task = reward.load_task(self.cfg)
         self.workers = reward.Workers(self.cfg["grader_workers"], self.cfg["reward_timeout_s"])
         ends = stop_settings(self.tok, self.task["stop"])
-        # finished turns only, flat logprobs, undecoded (step() decodes a turn)
+        # finished turns only; step() decodes a turn
         self.params = lambda greedy, room: SamplingParams(
             temperature=0.0 if greedy else self.cfg["temperature"], max_tokens=room, n=1,
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY, **ends)
 
-    def load_prompts(self):  # tokenized; one leaving no room for an answer is skipped
+    def load_prompts(self):  # one leaving no room for an answer is skipped
         room = self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
         for p in self.task["train"] + self.task["eval"]:
             p["ids"] = list(format_prompt(self.tok, p["prompt"]))
@@ -145,7 +141,7 @@ class Rollout:  # an engine's loop, and its state between two engine steps
             raise ValueError("no training prompt fits in max_model_len - max_new_tokens: "
                              "raise max_model_len or lower max_new_tokens")
 
-    def connect(self):  # the store, our heartbeat, the wires; then all engines are up
+    def connect(self):
         cfg, e = self.cfg, self.e
         self.store = sync.open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
         self.heartbeat = sync.Heartbeat(cfg["host"], cfg["rollout_port"], f"beat{e}")
@@ -181,8 +177,8 @@ class Rollout:  # an engine's loop, and its state between two engine steps
         self.heartbeat.stop()  # "bye": the trainer's watchers let us go
         self.send({"kind": "bye"})
 
-    # ---- the trainer's side: versions announced, loads, evals ----
-    def receive(self):  # thread: versions announced, into the inbox, until -1 (stop) or an error
+    # ---- the trainer's side: versions, loads, evals ----
+    def receive(self):  # thread: versions announced, into the inbox
         try:
             while (v := sync.broadcast_version(self.ctl)) >= 0:
                 self.inbox.put(v)
@@ -190,7 +186,7 @@ class Rollout:  # an engine's loop, and its state between two engine steps
         except Exception as e:
             self.inbox.put(e)
 
-    def poll_trainer(self):  # what the trainer announced; idle, wait briefly. False: stop
+    def poll_trainer(self):  # takes what the trainer announced; False: stop
         block = not self.engine.has_unfinished_requests()
         if block and self.workers.busy:
             self.workers.wait(0.05)  # wakes at the first result
@@ -204,7 +200,8 @@ class Rollout:  # an engine's loop, and its state between two engine steps
                 raise RuntimeError(f"lost the trainer: {v}")
             if v < 0:
                 return False
-            self.pending, block = v, False
+            self.pending = v
+            block = False
 
     def load(self):
         """Every worker copies in what it received while we generated (sync.load): a request's
@@ -212,14 +209,14 @@ class Rollout:  # an engine's loop, and its state between two engine steps
         t0 = time.perf_counter()
         self.version = self.llm.collective_rpc(sync.load)[0]  # the oldest push received
         self.pending = None if self.version == self.pending else self.pending
-        for r in self.engine.output_processor.request_states.values():  # requests in flight
+        for r in self.engine.output_processor.request_states.values():
             first = r.detokenizer.num_output_tokens() + self.lag
             self.spans[r.external_req_id].append((self.version, first))
         self.counters["rollout_pause_s"] = time.perf_counter() - t0  # generation paused
         self.counters["rollout_load_s"] += self.counters["rollout_pause_s"]
         self.evaluate()
 
-    def evaluate(self, first=False):  # engine 0: a held-out eval beside the training
+    def evaluate(self, first=False):  # engine 0: a held-out eval
         v, every = self.version, self.cfg["eval_every"]
         if self.e == 0 and every and (first or v % every == 0 or v == self.cfg["max_steps"]):
             self.open(f"eval{v}", self.eval_set, greedy=True, version=v)
@@ -231,11 +228,13 @@ class Rollout:  # an engine's loop, and its state between two engine steps
             self.store.set(f"idle{self.e}", mark)
             self.idle = mark
 
-    # ---- a group's life: admitted, its turns stepped, graded, sent ----
+    # ---- a group's life: admitted, stepped, graded, sent ----
     def admit(self):
-        """New groups, as the budget and free slots allow; the stream's position k (shared by
-        all engines) is problem perm[k mod N], seeded."""
-        n_new, N, positions = self.budget.take(self.version, self.holding), len(self.train_set), []
+        """New groups, as the budget allows; the stream's position k (shared by all engines)
+        is problem perm[k mod N], seeded."""
+        n_new = self.budget.take(self.version, self.holding)
+        N = len(self.train_set)
+        positions = []
         while len(positions) < n_new:  # skip those trained before the checkpoint
             n = n_new - len(positions)
             end = self.first + self.store.add("pos", n)
@@ -249,7 +248,7 @@ class Rollout:  # an engine's loop, and its state between two engine steps
             self.open(f"g{k}", [problem] * self.cfg["group_size"], greedy=False, pos=k)
             self.holding += self.cfg["group_size"]
 
-    def open(self, gid, problems, greedy, **group):  # a request per problem
+    def open(self, gid, problems, greedy, **group):
         self.groups[gid] = {"problems": problems, "comps": [completion() for _ in problems],
                             "left": len(problems), "eval": greedy, **group}
         params = self.params(greedy, self.cfg["max_new_tokens"])
@@ -258,12 +257,12 @@ class Rollout:  # an engine's loop, and its state between two engine steps
 
     def add(self, gid, i, ids, params):  # the salt: no prefix-cache hit on older weights' KV
         rid = f"{gid}/{i}/{self.groups[gid]['comps'][i]['turns']}"  # group/completion/turn
-        self.engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"},
-                                params)
+        prompt = {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"}
+        self.engine.add_request(rid, prompt, params)
         self.spans[rid] = [(self.version, 0)]
         self.in_vllm += not self.groups[gid]["eval"]
 
-    def step(self):  # one engine step; each turn it ends goes to the task's turn or grade
+    def step(self):
         self.counters["rollout_steps"] += 1
         self.counters["rollout_running"] += self.in_vllm / self.cfg["rollout_seqs"]
         for out in self.engine.step():  # finished requests only
@@ -279,14 +278,14 @@ class Rollout:  # an engine's loop, and its state between two engine steps
             final = c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]
             self.submit(gid, i, "grade" if final else "turn")
 
-    def submit(self, gid, i, fn):  # to the task's "turn" (its tool) or "grade" (frees a slot)
+    def submit(self, gid, i, fn):  # "turn": to the tool; "grade" frees a slot
         g = self.groups[gid]
         if fn == "grade" and not g["eval"]:
             self.holding -= 1
         self.workers.submit((gid, i, fn), self.task[fn], g["comps"][i]["text"],
                             g["problems"][i]["answer"])
 
-    def grades(self):  # the workers' results: a tool's words go on; graded groups are sent
+    def grades(self):
         for (gid, i, fn), result, failed in self.workers.poll():
             g = self.groups[gid]
             if fn == "turn":  # the tool's words; None: final; a failure ends the answer
@@ -304,8 +303,9 @@ class Rollout:  # an engine's loop, and its state between two engine steps
     def go_on(self, gid, i, words):
         """The tool's tokens, then the next turn: a request over the whole dialogue (prefix
         caching keeps it cheap). -> False if no room is left: cut."""
-        g, env = self.groups[gid], self.tok.encode(words, add_special_tokens=False)
+        g = self.groups[gid]
         c = g["comps"][i]
+        env = self.tok.encode(words, add_special_tokens=False)
         room = self.cfg["max_new_tokens"] - len(c["ids"]) - len(env)
         if room <= 0:
             c["cut"] = True
@@ -315,7 +315,7 @@ class Rollout:  # an engine's loop, and its state between two engine steps
         self.add(gid, i, g["problems"][i]["ids"] + c["ids"], self.params(g["eval"], room))
         return True
 
-    def finish_group(self, g):  # graded: an eval's accuracy, or a group for the trainer
+    def finish_group(self, g):  # an eval's accuracy, or a group for the trainer
         versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
         if g["eval"]:  # its tokens' weights span these versions
             n = len(g["comps"])
@@ -324,7 +324,7 @@ class Rollout:  # an engine's loop, and its state between two engine steps
                               "eval_versions": [min(versions), max(versions)]})
         problem = g["problems"][0]
         msg = {"kind": "group",  # ("eval" and "bye" are the other messages)
-               "pos": g["pos"],  # its prompt's place in the stream the engines share: its id
+               "pos": g["pos"],  # its prompt's place in the shared stream: its id
                "prompt": problem["prompt"],  # as the task gave it: text, or chat messages
                "prompt_ids": problem["ids"],  # chat template applied
                "completions": g["comps"],  # group_size of completion()
@@ -334,10 +334,10 @@ class Rollout:  # an engine's loop, and its state between two engine steps
         self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in g["comps"])  # generated
         for c in g["comps"]:  # arrays: rank 0 unpickles 4 objects, not 4 a token
             c.update({key: np.array(c[key], dtype) for key, dtype in TOKENS.items()})
-        self.mark_idle()  # before the trainer sees this group and looks
+        self.mark_idle()  # before the trainer sees this group
         self.send(msg)
 
-    def send(self, msg):  # to trainer rank 0: who sent it, and our COUNTERS
+    def send(self, msg):
         self.counters["rollout_started"] = self.budget.started  # before any given back
         sync.send_obj(self.traj, {**msg, "engine": self.e, "stats": dict(self.counters)}, 0)
 

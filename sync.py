@@ -1,9 +1,9 @@
-"""sync.py: the wires between trainer and engines, set up through a TCPStore on rank 0 (which
-holds the heartbeats too). Gloo groups carry messages: ctl, each version to load; traj, groups.
-The weights go from rank 0 to a thread in each vLLM worker, a bucket a broadcast (NCCL on GPUs;
-colocated, shared memory), into a copy while the engine generates: it pauses only to copy it in
-(load). Paused (stage_weights=False; tensor parallelism on GPUs): no copy, each bucket loaded as
-it comes. Simplifications: a fixed weight layout; one staging copy.
+"""sync.py: the wires between trainer and engines, set up through a TCPStore on rank 0 that
+holds the heartbeats too. Gloo groups carry messages: ctl each version to load, traj groups.
+Rank 0 broadcasts the weights a bucket at a time (NCCL on GPUs, colocated in shared memory)
+to a thread in each vLLM worker, into a copy while the engine generates: it pauses only to
+load the copy. Paused (stage_weights=False, or TP on GPUs), it loads each bucket as it comes.
+Simplifications: a fixed weight layout; one staging copy.
 """
 import itertools
 import math
@@ -18,10 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-FOREVER = 7 * 86400  # as long as a step or a quiet engine takes: heartbeats end it
+FOREVER = 7 * 86400  # steps and quiet engines take long: heartbeats end it
 BEAT_S = 1
-DEAD_S = 10  # a peer whose heartbeat stopped this long is dead
-BUCKET = 2**27  # bytes a weight broadcast moves at most (a larger weight alone)
+DEAD_S = 10  # a peer silent this long is dead
+BUCKET = 2**27  # bytes a broadcast moves at most, see plan()
 
 
 def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine
@@ -34,15 +34,15 @@ def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine
 
 
 class Heartbeat:
-    """A thread: `key` in rank 0's store gets a new count each BEAT_S, and the seconds since our
-    loop last moved(). It watches `peers` ({key: name}): a count that stops, a loop still for
-    loop_s, or the store gone ends this process at once, saying why (its main thread may wait
-    in a collective with the dead peer). stop(): a clean end; "bye" tells the watchers."""
+    """A thread: each BEAT_S, `key` in rank 0's store gets a new count and the seconds since our
+    loop last moved(). A peer ({key: name}) whose count stops or loop is still for loop_s, or a
+    lost store, ends this process at once (its main thread may wait in a collective with the
+    dead peer). stop() ends cleanly; "bye" tells the watchers."""
 
     def __init__(self, host, port, key, peers=(), first_s=DEAD_S, loop_s=FOREVER,
                  every=lambda store: None):
         self.key, self.peers, self.loop_s = key, dict(peers), loop_s
-        self.every = every  # more each beat: another node's leader reports its engines' exits
+        self.every = every  # a node's leader reports its engines' exits each beat
         self.last_move = None  # None: we vouch for no loop
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, args=(host, port, first_s), daemon=True)
@@ -56,7 +56,7 @@ class Heartbeat:
         self.thread.join(DEAD_S)
 
     def run(self, host, port, first_s):
-        seen = {}  # peer key -> (its last count, when it changed)
+        seen = {}  # key -> (last count, when it changed)
         try:
             store = open_store(host, port, False, first_s)
             store.set_timeout(timedelta(seconds=DEAD_S))
@@ -64,11 +64,11 @@ class Heartbeat:
                 idle = time.monotonic() - (self.last_move or time.monotonic())
                 store.set(self.key, f"{n} {idle:.0f}")
                 self.every(store)
-                quiet = {}  # a peer's name -> seconds since its count last changed
+                quiet = {}  # name -> seconds since its count changed
                 for (key, name), beat in zip(self.peers.items(), store.multi_get([*self.peers])):
                     if beat not in (b"", b"bye"):  # begun (rank 0 set all empty), not ended
                         quiet[name] = self.check(key, name, *beat.decode().split(), seen)
-                if max(quiet.values(), default=0) > DEAD_S:  # it, and any silent with it (a node)
+                if max(quiet.values(), default=0) > DEAD_S:  # it and any silent with it (a node)
                     self.fail(*(f"{name} sent no heartbeat for {DEAD_S} s: it died, its node is "
                                 "lost, or it hangs; its node's log says which"
                                 for name, s in quiet.items() if s > DEAD_S / 2))
@@ -78,7 +78,7 @@ class Heartbeat:
             if not self.stopped.is_set():  # a clean end closes the store: no error
                 self.fail(f"trainer rank 0's store on {host}:{port} is gone ({e})")
 
-    def check(self, key, name, n, idle, seen):  # -> seconds since the peer's count changed
+    def check(self, key, name, n, idle, seen):  # -> seconds since its count changed
         if seen.get(key, (None,))[0] != n:
             seen[key] = (n, time.monotonic())
         if int(idle) > self.loop_s:
@@ -89,17 +89,17 @@ class Heartbeat:
     def fail(self, *whys):
         for why in whys:
             print(f"error: {self.key}: {why}", file=sys.stderr, flush=True)
-        os._exit(1)  # at once: a collective would wait for the dead peer until its timeout
+        os._exit(1)  # now: a collective would wait on the dead peer till it times out
 
 
 def gloo(store, name, rank, size, timeout_s):
-    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size,
-                                 timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore(name, store), rank, size, timedelta(seconds=timeout_s))
 
 
 def connect(store, rank, engines, timeout_s):  # rank 0: the trainer; rank 1 + e: engine e
     ctl = gloo(store, "ctl", rank, 1 + engines, timeout_s if rank == 0 else FOREVER)
-    if rank == 0:  # an engine may be quiet for long: its heartbeat says it lives
+    if rank == 0:  # engines may be quiet for long: heartbeats tell
         return ctl, [gloo(store, f"traj{e}", 0, 2, FOREVER) for e in range(engines)]
     return ctl, gloo(store, f"traj{rank - 1}", 1, 2, timeout_s)
 
@@ -128,12 +128,12 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
     while not work.is_completed():
         check_alive()
         time.sleep(0.005)
-    work.wait()  # raises its error, if it failed
+    work.wait()  # raises its error
 
 
 def plan(meta, dtype):
-    """[(name, shape)] -> buckets [(offset, numel, [(name, shape)])] of consecutive weights, at
-    most BUCKET bytes each (a larger weight alone), at their offsets in one flat copy."""
+    """[(name, shape)] -> buckets [(offset, numel, [(name, shape)])] of consecutive weights in
+    one flat copy, at most BUCKET bytes each (a larger weight alone)."""
     buckets, offset = [], 0
     for name, shape in meta:
         n = math.prod(shape)
@@ -145,12 +145,12 @@ def plan(meta, dtype):
     return buckets
 
 
-def weights_in(flat, weights):  # a bucket's flat tensor -> [(name, a shaped view)]
+def weights_in(flat, weights):  # a bucket's flat tensor -> [(name, view)]
     sizes = [math.prod(shape) for _, shape in weights]
     return [(name, part.view(shape)) for (name, shape), part in zip(weights, flat.split(sizes))]
 
 
-def staging(plan, cfg, device):  # a flat copy of the weights; colocated on CPU, in /dev/shm
+def staging(plan, cfg, device):  # a flat copy of the weights (colocated CPUs: /dev/shm)
     size, dtype = sum(n for _, n, _ in plan), getattr(torch, cfg["rollout_dtype"])
     if cfg["colocate"] and device.type == "cpu":
         path = f"/dev/shm/nanoasync-{cfg['rollout_port']}"  # unlinked once all mapped
@@ -158,31 +158,31 @@ def staging(plan, cfg, device):  # a flat copy of the weights; colocated on CPU,
     return torch.empty(size, dtype=dtype, device=device)
 
 
-def staged(cfg):  # the engines receive into a copy while generating, not paused
+def staged(cfg):  # engines receive into a copy as they generate
     tp = torch.cuda.is_available() and cfg["tensor_parallel_size"] > 1
     return cfg["stage_weights"] and not tp
 
 
 def weight_groups(store, rank, world, device, colocate, timeout_s):
-    """-> (wake: gloo, a push begins; the weights: NCCL on GPU, else gloo)."""
+    """-> (wake, gloo: a push begins; the weights' group: NCCL on GPU, else gloo)."""
     wake = gloo(store, "wake", rank, world, timeout_s if rank == 0 else FOREVER)
     # NCCL refuses two ranks on one GPU: shared for a check, gloo carries CUDA tensors
     if device.type == "cuda" and not colocate and os.environ.get("NANOASYNC_SHARE_GPU") != "1":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
-        opts.config.max_ctas = 4  # a waiting receive holds its SMs: few, beside vLLM
+        opts.config.max_ctas = 4  # a waiting receive holds its SMs: few beside vLLM
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("weights", store), rank, world, opts)
         pg.eager_connect_single_device(device)  # connect now, not in the first push
         return wake, pg
     pg = gloo(store, "weights", rank, world, timeout_s)
     if colocate:
-        barrier(pg, device)  # every side has mapped the staging copy
+        barrier(pg, device)  # every side mapped the staging copy
     return wake, pg
 
 
 def barrier(pg, device):
     if device.type == "cuda":
-        torch.cuda.current_stream().synchronize()  # other processes see completed work only
+        torch.cuda.current_stream().synchronize()  # others see completed work only
     pg.allreduce([torch.zeros(1)]).wait()
 
 
@@ -190,21 +190,21 @@ class Sender:  # trainer rank 0's end of the weight groups
     def __init__(self, store, plan, cfg, device, workers):
         self.plan, self.device, self.colocate = plan, device, cfg["colocate"]
         self.dtype = getattr(torch, cfg["rollout_dtype"])
-        if self.colocate:  # the workers' staging copy itself
+        if self.colocate:  # the workers' staging copy
             self.copy = staging(plan, cfg, device)
             if device.type == "cuda":
                 from torch.multiprocessing.reductions import reduce_tensor
                 store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
-        else:  # two buffers: one is filled while the other is sent
+        else:  # two: one is filled while the other is sent
             size = max([n for _, n, weights in plan if len(weights) > 1], default=0)
             self.buffers = [torch.empty(size, dtype=self.dtype, device=device) for _ in "ab"]
         store.set("plan", pickle.dumps(plan))  # last: the workers wait for it
-        self.wake, self.pg = weight_groups(store, 0, 1 + workers, device, self.colocate,
-                                           cfg["timeout_s"])
+        self.wake, self.pg = weight_groups(
+            store, 0, 1 + workers, device, self.colocate, cfg["timeout_s"])
         if self.colocate and device.type == "cpu":  # all mapped: none left after a kill -9
             os.unlink(self.copy.untyped_storage().filename)
 
-    def close(self):  # a clean end: NCCL's communicator shut down, not left to hang
+    def close(self):  # NCCL's communicator shut down, not left to hang
         if type(self.pg).__name__ == "ProcessGroupNCCL":
             self.pg.shutdown()
 
@@ -228,7 +228,7 @@ def push(sender, tensors, version, check_alive=lambda: None):
         if not sender.colocate:
             works.append(sender.pg.broadcast(flat, 0))
     if sender.colocate:
-        barrier(sender.pg, sender.device)  # all of it is in place
+        barrier(sender.pg, sender.device)  # all written
     for w in works:
         finish(w, check_alive)
 
@@ -240,66 +240,66 @@ def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc)
     store.wait(["plan"])
     plan = pickle.loads(store.get("plan"))
     copy = None  # paused: none
-    if cfg["colocate"] and cuda:  # CUDA IPC: open the trainer's
+    if cfg["colocate"] and cuda:  # the trainer's, through CUDA IPC
         fn, args = pickle.loads(store.get("ipc"))
         copy = fn(*args)
     elif cfg["colocate"] or staged(cfg):
         copy = staging(plan, cfg, device)
     world = 1 + cfg["engines"] * cfg["tensor_parallel_size"]
-    groups = weight_groups(store, first_rank + worker.rank, world, device, cfg["colocate"],
-                           cfg["timeout_s"])
+    groups = weight_groups(
+        store, first_rank + worker.rank, world, device, cfg["colocate"], cfg["timeout_s"])
     worker.nanoasync = s = dict(
         copy=copy, plan=plan, device=device, groups=groups, colocate=cfg["colocate"],
         dtype=getattr(torch, cfg["rollout_dtype"]), timeout_s=cfg["timeout_s"],
-        staged=queue.Queue(),  # versions received (or an error), from stage()
-        loaded=threading.Event())  # load() copied the last one in: receive the next
+        staged=queue.Queue(),  # versions from stage() (or an error)
+        loaded=threading.Event())  # load() copied the last in: receive the next
     if copy is not None:
         threading.Thread(target=stage, args=(s,), daemon=True).start()
 
 
 def receive(s):
-    """One push -> its version, in the copy; paused -> (version, a generator of the weights
+    """One push into the copy -> its version; paused -> (version, a generator of the weights
     that receives each bucket as copy_in() reaches it)."""
     if s["device"].type == "cuda":
         torch.cuda.set_device(s["device"])  # a new thread starts on GPU 0
     wake, pg = s["groups"]
     version = torch.zeros(1, dtype=torch.int64)
-    wake.allreduce([version]).wait()  # a push begins: the version, 0s from us
+    wake.allreduce([version]).wait()  # a push begins: rank 0's version, 0 from us
     if s["colocate"]:
-        barrier(pg, s["device"])  # the trainer has written it
+        barrier(pg, s["device"])  # the trainer wrote it
         return int(version)
     if s["copy"] is None:
         return int(version), received(s)
     stream = torch.cuda.Stream(s["device"]) if s["device"].type == "cuda" else None
-    with torch.cuda.stream(stream):  # one no kernel of vLLM's waits on (CPU: a no-op)
+    with torch.cuda.stream(stream):  # one that no vLLM kernel waits on (CPU: a no-op)
         works = [pg.broadcast(s["copy"][offset:offset + n], 0) for offset, n, _ in s["plan"]]
     for w in works:
         finish(w)
     return int(version)
 
 
-def received(s):  # paused: a bucket at a time, each its own tensor (vLLM may keep views)
+def received(s):  # paused: each bucket its own tensor (vLLM may keep views)
     for _, n, weights in s["plan"]:
         flat = torch.empty(n, dtype=s["dtype"], device=s["device"])
-        s["groups"][1].broadcast(flat, 0).wait()  # on a GPU: the stream waits, not the host
+        s["groups"][1].broadcast(flat, 0).wait()  # on a GPU the stream waits, not the host
         yield from weights_in(flat, weights)
 
 
-def stage(s):  # thread in each worker: each push into the copy, beside vLLM's steps
+def stage(s):  # a thread in each worker: pushes into the copy beside vLLM's steps
     try:
         while True:
             s["staged"].put(receive(s))
-            s["loaded"].wait()  # load() has copied it: the next push may overwrite it
+            s["loaded"].wait()  # load() copied it: the next push may overwrite it
             s["loaded"].clear()
     except Exception as e:  # load() raises it
         s["staged"].put(e)
 
 
-def load(worker):  # in each vLLM worker (collective_rpc): the engine's pause -> the version
+def load(worker):  # in each vLLM worker, the engine paused -> the version
     s, cuda = worker.nanoasync, torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()  # no forward pass reads the old weights
-    if s["copy"] is None:  # paused: the push itself, a bucket at a time
+    if s["copy"] is None:  # paused: receive the push itself
         version, weights = receive(s)
     else:
         try:
@@ -323,6 +323,6 @@ def copy_in(worker, weights):  # (name, tensor) into vLLM's weights, in place
         worker.model_runner.reload_weights(weights_iterator=weights)
     model = worker.model_runner.get_model()
     if not torch.cuda.is_available() and getattr(model.config, "tie_word_embeddings", False):
-        # the CPU backend pre-packs lm_head for its GEMM: again, from the new tied weight
+        # the CPU backend pre-packs lm_head: redo it from the new tied weight
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)

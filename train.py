@@ -1,10 +1,9 @@
 """train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`
-(`python train.py ...`: one rank). N trainer ranks shard the policy with FSDP2; each node's
-first rank starts its vLLM engines (fleet.py), which generate all the time (rollout.py). A step
-takes a batch (buffer.py), computes the loss over packed micro-batches (loss.py), steps, sends
-the new weights to every vLLM worker (sync.py) and logs (metrics.py): batch k trains version k.
-Simplifications: one optimizer step a batch; constant-lr AdamW; no KL penalty, no reference
-model (beta = 0, as in DAPO); trainer rank 0 alone talks to the engines.
+(`python train.py ...`: one rank). Trainer ranks shard the policy with FSDP2; vLLM engines
+(fleet.py, rollout.py) generate all the time. Step k takes a batch (buffer.py), trains version k
+on it (loss.py), sends the new weights to the engines (sync.py) and logs (metrics.py).
+Simplifications: one optimizer step a batch; constant-lr AdamW; no KL penalty or reference
+model (beta = 0, as in DAPO); rank 0 alone talks to the engines.
 """
 import json
 import os
@@ -27,50 +26,50 @@ import metrics
 import sync
 from fleet import Fleet, kill, place, spawn, watch
 
-# ---- the config: config/*.py, then --key=value, override these defaults (configurator.py) ----
-model = "data/tiny"  # a Hugging Face model folder, or a hub id (online)
-task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME (reasoning-gym): reward.py
+# ---- the config: config/*.py, then --key=value, override these defaults ----
+model = "data/tiny"  # a Hugging Face model folder or hub id
+task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME (reasoning-gym)
 data_path = ""  # gsm8k: a jsonl of {"question", "answer"}, or a hub id
 out_dir = "out"
-tracker = ""  # "wandb" | "trackio": gets the config and every metrics.jsonl row
+tracker = ""  # "wandb" | "trackio": logs the config and metrics
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
-batch_groups = 8  # prompt groups per step, dealt out to the trainer ranks
+batch_groups = 8  # prompt groups per step, over all ranks
 group_size = 8  # completions per prompt
-max_new_tokens = 64  # per completion: all its turns and tool results
-max_turns = 4  # model turns per completion, with a tool (calculator: 1 = no tool)
+max_new_tokens = 64  # per completion, tool results included
+max_turns = 4  # model turns per completion (calculator; 1 = no tool)
 temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
 grad_clip = 1.0
-micro_batch_tokens = 4096  # packed tokens a forward and backward (a larger group alone)
-activation_checkpointing = False  # recompute each decoder layer in the backward pass
-compile_layers = True  # GPU, bf16/fp16: torch.compile each decoder layer (compiling in step 0)
-max_staleness = 1  # eta: the most versions old a token may be when trained; 0 = synchronous
+micro_batch_tokens = 4096  # packed tokens per micro-batch (a larger group goes alone)
+activation_checkpointing = False  # recompute layers in the backward pass
+compile_layers = True  # GPU, bf16/fp16: torch.compile each layer (in step 0)
+max_staleness = 1  # eta: the most versions old a trained token may be; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
-eval_every = 5  # greedy held-out eval every this many versions, first and last; 0 = off
+eval_every = 5  # versions between greedy held-out evals (also first, last); 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines per node, each on tensor_parallel_size GPUs
 tensor_parallel_size = 1
-colocate = False  # one GPU for the trainer and vLLM; weights pass through shared memory
+colocate = False  # trainer and vLLM share one GPU; weights go by shared memory
 stage_weights = True  # receive weights into a copy while generating; False: paused, no copy
-rollout_seqs = 256  # most sequences generating at once in one engine (budget.py)
-rollout_dtype = "float32"  # vLLM weights and compute (its output layer: always float32)
+rollout_seqs = 256  # most sequences one engine generates at once
+rollout_dtype = "float32"  # vLLM's weights and compute (its output layer: float32)
 trainer_dtype = "float32"  # FSDP2 compute; master weights, gradient reduction: float32
-rollout_cpus = ""  # CPU: vLLM's cores, "1" or "2-3"; the trainer ranks keep the rest
-borrow_cpus = True  # CPU, one rank: train on vLLM's cores too while every engine waits
+rollout_cpus = ""  # CPU: vLLM's cores, "1" or "2-3"; trainer ranks get the rest
+borrow_cpus = True  # CPU, one rank: use vLLM's cores too while every engine waits
 max_model_len = 512
 kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
 enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
-rollout_port = 29600  # the trainer<->rollout store, on trainer rank 0's machine
+rollout_port = 29600  # the trainer-engine store, on rank 0's machine
 timeout_s = 120  # a peer silent this long is dead: the run exits, not hangs
 start_timeout_s = 900  # engine start (a cold GPU start compiles, captures CUDA graphs)
 stall_s = 600  # this long with nothing usable (none, flat, stale) stops the run
-reward_timeout_s = 5.0  # a grade running longer is killed and scores 0 (reward_failed)
+reward_timeout_s = 5.0  # a longer grade is killed and scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
 ckpt_every = 0  # {out_dir}/ckpt.pt every this many steps, at the end, on a signal
 resume = False  # continue exactly from {out_dir}/ckpt.pt
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
 torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
@@ -86,17 +85,17 @@ master = rank == 0
 config = configurator.check(config, world)
 model = config["model"]  # a hub id is now a folder in the cache
 
-# ---- placement: on each node its trainer ranks take the first GPUs, its engines the next ----
+# ---- placement: a node's trainer ranks take its first GPUs, its engines the next ----
 cuda = torch.cuda.is_available()
-if not cuda and torch.version.cuda:  # a CUDA build that sees no GPU
+if not cuda and torch.version.cuda:
     configurator.die(f"torch {torch.__version__} sees no GPU: CUDA 13 needs NVIDIA driver >= 580 "
                      "(nvidia-smi); or CUDA_VISIBLE_DEVICES is empty; no GPU: requirements-cpu.txt")
 device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
 engine_gpus, borrow = place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
-threads = torch.get_num_threads()  # CPU: our cores' (place)
-# ranks 1.. wait for a batch as long as rank 0 (stall_s bounds it), not timeout_s
+threads = torch.get_num_threads()  # CPU: our cores (place)
+# ranks 1.. wait for a batch as long as rank 0 (up to stall_s), not timeout_s
 batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
 
 # ---- the policy, sharded, and its optimizer ----
@@ -107,20 +106,20 @@ full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_
 
 
 def full_weights(dtype=getattr(torch, trainer_dtype)):
-    """(name, full tensor), cast before the gather (bf16: half the bytes). Every rank runs it."""
+    """(name, full tensor), cast before the gather (bf16: half the bytes). All ranks run it."""
     for name, p in policy.named_parameters():
         p = p.detach().to(dtype)
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
-# every weight's bucket, and its place in the engines' staging copy
+# each weight's bucket, and its place in the engines' staging copy
 plan = sync.plan([(name, p.shape) for name, p in policy.named_parameters()],
                  getattr(torch, rollout_dtype))
-ckpt_path, ckpt = os.path.join(out_dir, "ckpt.pt"), {}
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
 
 
 def save_checkpoint(version):
-    """Every rank gathers; rank 0 writes atomically, with where the prompt stream is."""
+    """Every rank gathers; rank 0 writes atomically, with the prompt stream's place."""
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
@@ -130,18 +129,18 @@ def save_checkpoint(version):
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
 
-if resume:  # rank 0 reads the file; the others' shards come by broadcast
-    ckpt = torch.load(ckpt_path, weights_only=True) if master else {"model": {}, "optim": {}}
-    set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model"),
-                   optim_state_dict=ckpt.pop("optim"), options=full_state)
+ckpt = torch.load(ckpt_path, weights_only=True) if resume and master else {}
+if resume:  # rank 0 read the file; the others' shards come by broadcast
+    set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model", {}),
+                   optim_state_dict=ckpt.pop("optim", {}), options=full_state)
 start_version = [ckpt.get("version", 0)]
 dist.broadcast_object_list(start_version, src=0)
-start = start_version[0]  # this run's first batch trains version `start`
+start = start_version[0]
 stop_signal = []  # Ctrl-C / SIGTERM: stop at the next step boundary
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
-# ---- each node's first rank starts its engines: from here on they generate all the time ----
+# ---- each node's first rank starts its engines; every process watches the others ----
 engines = []  # this rank's, if it leads another node
 if master:
     os.makedirs(out_dir, exist_ok=True)
@@ -151,15 +150,14 @@ if master:
     log = metrics.Log(config, start, ckpt)
     heartbeat = fleet.heartbeat
 else:
-    if engine_gpus:  # another node's: numbered on from node 0's, they talk to rank 0
+    if engine_gpus:  # another node's, numbered after node 0's; they talk to rank 0
         engines = spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
                         os.environ["MASTER_ADDR"], plan)
     heartbeat = watch(config, rank, world, local_world, nodes, engines)
-# every rank beats, and watches every other rank and engine: a silent one ends it
 
 
 def push_weights(version):
-    """Every rank gathers the weights; rank 0 sends them, and tells the engines the version."""
+    """Every rank gathers the weights; rank 0 sends them and the version to the engines."""
     if not master:
         for _ in full_weights():  # each full_tensor() is an all-gather: all ranks join
             pass
@@ -178,14 +176,14 @@ def micro_batch(groups, step, n_tok):
     logp = L.token_logprobs(policy, batch, temperature)  # [C, T]
     adv = L.group_advantages(batch["rewards"], group_size)
     loss, bounded = L.grpo_loss(logp, batch["behav"], adv, batch["mask"], n_tok)
-    (loss * world).backward()  # FSDP averages over ranks; loss: the batch's token mean
+    (loss * world).backward()  # FSDP averages over ranks; loss is the batch's token mean
     fresh = batch["versions"] == step  # sampled by the weights being trained
     return metrics.token_sums(loss, bounded, logp, batch["behav"], batch["mask"], fresh)
 
 
 version = step = start
 try:
-    if start > 0:  # resumed: the engines generate from the checkpoint's weights
+    if start > 0:  # resumed: the engines get the checkpoint's weights
         push_weights(start)
     for step in range(start, max_steps):
         version = step
@@ -193,12 +191,12 @@ try:
         msg = {}  # rank 0: {"shares": groups a rank, "n_tok"}, or {"stop": why}
         if master:
             try:  # the overlap, 1 of 2: the engines made it while we trained the last
-                groups, seen, t_wait = fleet.buffer.get(version, batch_groups, fleet.check_alive,
-                                                        log.waiting)
+                groups, seen, t_wait = fleet.buffer.get(
+                    version, batch_groups, fleet.check_alive, log.waiting)
                 n_tok = sum(int(c["mask"].sum()) for g in groups for c in g["completions"])
                 msg = {"shares": buffer.deal(groups, world), "n_tok": n_tok}
             except buffer.Stopped as e:
-                msg = {"stop": str(e)}  # every rank stops at this step boundary
+                msg = {"stop": str(e)}
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=batches)
         msg = box[0]
@@ -212,8 +210,7 @@ try:
         sums = torch.zeros(len(metrics.SUMS), device=device)
         borrowed = 0  # micro-batches on the engines' cores too (borrow_cpus)
         for i, groups_i in enumerate(mine):
-            # gradients reduce-scatter once, after the last backward; until then each rank keeps
-            # the weights whole, as the first forward gathered them (loss.shard)
+            # one gradient reduce-scatter, after the last backward; weights stay gathered till then
             last = i == len(mine) - 1
             policy.set_requires_gradient_sync(last)
             policy.set_reshard_after_backward(last)
@@ -252,25 +249,24 @@ try:
         if eval_every > 0:
             fleet.wait(lambda: any(e["version"] == max_steps for e in fleet.evals), timeout_s)
         log.close(fleet.evals)
-        fleet.stop(timeout_s)  # every engine, on every node, exits
+        fleet.stop(timeout_s)  # every engine on every node exits
     kill(engines, timeout_s)  # another node's: they exit once rank 0 says stop
-    # rank 0's store closes as it exits: every rank stops its heartbeat between two barriers
-    # (one still beating would take that for a dead rank 0)
+    # stop heartbeats between two barriers: one still beating would take rank 0's exit for a crash
     dist.barrier(group=batches)
     heartbeat.stop()
     dist.barrier()
-except Exception as error:  # a signal, a stall (Stopped), an error: every rank ends here
-    if isinstance(error, buffer.Stopped) and master:
-        saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
-        print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
-        log.close(fleet.evals)  # the evals that came; a tracker's run ends finished
-    elif not isinstance(error, buffer.Stopped):
+except Exception as error:  # a signal or stall (Stopped), or an error: every rank ends here
+    if not isinstance(error, buffer.Stopped):
         if master and isinstance(error, RuntimeError):  # a broken wire: a dead engine?
             try:  # time for its exit code to show: check_alive() names it
                 fleet.wait(lambda: False, sync.DEAD_S + 2)
             except Exception as cause:
                 error = cause
         traceback.print_exception(error)
+    elif master:
+        saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
+        print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
+        log.close(fleet.evals)  # the evals that came; a tracker's run ends finished
     kill(fleet.procs if master else engines)
     sys.stdout.flush()
     sys.stderr.flush()
