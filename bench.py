@@ -125,9 +125,9 @@ def ratios():
                           asynchronous (the config's eta), vLLM and the trainer on their own cores;
                           overlap_bound = (T_gen + T_train) / max(T_gen, T_train), from the
                           synchronous run's own timings (there, waiting = generating)
-      sync_ratio          trainer-blocked time to push the model into a real vLLM engine (a
-                          broadcast per bucket into its staging copy, then its load) / one raw
-                          broadcast of the same bytes to the same worker
+      sync_ratio          trainer-blocked time to push the model to a real vLLM engine (its
+                          snapshot filled; a thread sends it, a broadcast per bucket into the
+                          engine's staging copy) / one raw broadcast of the same bytes to it
       rollout_pause_share time the engine spends loading weights / time it spends generating
       rollout_efficiency  vLLM tokens/s inside the loop / vLLM alone on the loop's prompts, with
                           the same sampling, (eta + 1) * batch_groups groups at once (the most
@@ -182,20 +182,22 @@ def weight_sync(model_dir, repeats=5):
     peer = subprocess.Popen([sys.executable, "peers/weight_peer.py", model_dir, str(port),
                              str(repeats)], cwd=ROOT, env=vllm_env())
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    cfg = {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60, "rollout_port": port}
-    sender = sync.Sender(store, sync.plan(meta, torch.float32), cfg, torch.device("cpu"), 1)
+    cfg = {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60, "rollout_port": port,
+           "tensor_parallel_size": 1}
+    ctls, _ = sync.connect(store, 0, 1, 60)
+    sender = sync.Sender(store, sync.plan(meta, torch.float32), cfg, torch.device("cpu"), ctls)
     flat = torch.zeros(sum(n for _, n, _ in sender.plan))
     store.set("numel", str(flat.numel()))
     pushed, raw = [], []
     with torch.no_grad():
         for i in range(repeats):
             t = time.perf_counter()
-            store.set(f"push{i}", "1")
             sync.push(sender, model.named_parameters(), i)
             pushed.append(time.perf_counter() - t)
+            store.wait([f"loaded{i}"])  # the sender's thread is done with the group
             t = time.perf_counter()
             store.set(f"raw{i}", "1")
-            sender.pg.broadcast(flat, 0).wait()
+            sender.links[0][1].broadcast(flat, 0).wait()
             raw.append(time.perf_counter() - t)
     peer.wait(timeout=60)
     return sorted(pushed)[repeats // 2], sorted(raw)[repeats // 2], flat.numel() * 4

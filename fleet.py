@@ -115,9 +115,8 @@ class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
         except (RuntimeError, TimeoutError) as e:
             kill(self.procs)
             die(str(e))
-        self.ctl, trajs = sync.connect(self.store, 0, self.engines, cfg["timeout_s"])
-        self.sender = sync.Sender(self.store, plan, cfg, device,
-                                  self.engines * cfg["tensor_parallel_size"])
+        ctls, trajs = sync.connect(self.store, 0, self.engines, cfg["timeout_s"])
+        self.sender = sync.Sender(self.store, plan, cfg, device, ctls)
         # a stale group's start goes back to the budget
         discard = lambda g: budget.give_back(self.store)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
@@ -179,7 +178,7 @@ class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
         return done()
 
     def stop(self, timeout_s):  # every engine, on every node, says bye; ours exit
-        sync.broadcast_version(self.ctl, -1)
+        self.sender.stop(timeout_s)
         for r in self.receivers:
             r.join(timeout_s)
         kill(self.procs, timeout_s)

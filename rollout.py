@@ -147,7 +147,7 @@ class Rollout:
         self.heartbeat = sync.Heartbeat(cfg["host"], cfg["rollout_port"], f"beat{e}")
         self.store.multi_set([f"idle{e}", f"joined{e}"], ["", "1"])
         self.ctl, self.traj = sync.connect(self.store, 1 + e, cfg["engines"], cfg["timeout_s"])
-        self.llm.collective_rpc(sync.join, args=(cfg, 1 + e * cfg["tensor_parallel_size"]))
+        self.llm.collective_rpc(sync.join, args=(cfg, e))
         start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]  # the stream, resumed

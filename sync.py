@@ -1,8 +1,7 @@
-"""sync.py: the wires between trainer and engines, set up through a TCPStore on rank 0 that
-holds the heartbeats too. Gloo groups carry messages: ctl each version to load, traj groups.
-Rank 0 broadcasts the weights a bucket at a time (NCCL on GPUs, colocated in shared memory)
-to a thread in each vLLM worker, into a copy while the engine generates: it pauses only to
-load the copy. Paused (stage_weights=False, or TP on GPUs), it loads each bucket as it comes.
+"""sync.py: the wires between trainer and engines, set up through a TCPStore on rank 0 (which
+holds the heartbeats too). Each engine has its own groups: ctl (versions), traj (its groups), the
+weights' (Sender). Its workers receive the weights into a copy while it generates: it pauses
+only to load it. Paused (stage_weights=False, or TP on GPUs), it loads each bucket as it comes.
 Simplifications: a fixed weight layout; one staging copy.
 """
 import itertools
@@ -98,10 +97,12 @@ def gloo(store, name, rank, size, timeout_s):
 
 
 def connect(store, rank, engines, timeout_s):  # rank 0: the trainer; rank 1 + e: engine e
-    ctl = gloo(store, "ctl", rank, 1 + engines, timeout_s if rank == 0 else FOREVER)
+    """-> the trainer: [ctl], [traj], one of each an engine; engine e: its own two."""
     if rank == 0:  # engines may be quiet for long: heartbeats tell
-        return ctl, [gloo(store, f"traj{e}", 0, 2, FOREVER) for e in range(engines)]
-    return ctl, gloo(store, f"traj{rank - 1}", 1, 2, timeout_s)
+        return ([gloo(store, f"ctl{e}", 0, 2, timeout_s) for e in range(engines)],
+                [gloo(store, f"traj{e}", 0, 2, FOREVER) for e in range(engines)])
+    e = rank - 1
+    return gloo(store, f"ctl{e}", 1, 2, FOREVER), gloo(store, f"traj{e}", 1, 2, timeout_s)
 
 
 def send_obj(pg, obj, dst):
@@ -163,18 +164,18 @@ def staged(cfg):  # engines receive into a copy as they generate
     return cfg["stage_weights"] and not tp
 
 
-def weight_groups(store, rank, world, device, colocate, timeout_s):
-    """-> (wake, gloo: a push begins; the weights' group: NCCL on GPU, else gloo)."""
-    wake = gloo(store, "wake", rank, world, timeout_s if rank == 0 else FOREVER)
+def weight_groups(store, e, rank, world, device, colocate, timeout_s):
+    """Engine e's -> (wake, gloo: a push begins; the weights' group: NCCL on GPU, else gloo)."""
+    wake = gloo(store, f"wake{e}", rank, world, timeout_s if rank == 0 else FOREVER)
     # NCCL refuses two ranks on one GPU: shared for a check, gloo carries CUDA tensors
     if device.type == "cuda" and not colocate and os.environ.get("NANOASYNC_SHARE_GPU") != "1":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
         opts.config.max_ctas = 4  # a waiting receive holds its SMs: few beside vLLM
-        pg = dist.ProcessGroupNCCL(dist.PrefixStore("weights", store), rank, world, opts)
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"weights{e}", store), rank, world, opts)
         pg.eager_connect_single_device(device)  # connect now, not in the first push
         return wake, pg
-    pg = gloo(store, "weights", rank, world, timeout_s)
+    pg = gloo(store, f"weights{e}", rank, world, timeout_s)
     if colocate:
         barrier(pg, device)  # every side mapped the staging copy
     return wake, pg
@@ -186,54 +187,105 @@ def barrier(pg, device):
     pg.allreduce([torch.zeros(1)]).wait()
 
 
-class Sender:  # trainer rank 0's end of the weight groups
-    def __init__(self, store, plan, cfg, device, workers):
-        self.plan, self.device, self.colocate = plan, device, cfg["colocate"]
+class Sender:
+    """Trainer rank 0's end of the weights. Colocated, push() writes the engines' copy itself.
+    Else it fills a new snapshot and returns; a thread per engine sends it the newest whenever
+    the engine is ready, skipping those it missed (one broadcast to all waited for the slowest).
+    Rank 0's device holds the newest, and any an engine's thread is still sending."""
+
+    def __init__(self, store, plan, cfg, device, ctls):
+        self.plan, self.device, self.ctls = plan, device, ctls
+        self.colocate = cfg["colocate"]
+        self.paused = not (self.colocate or staged(cfg))  # then an engine is told first
         self.dtype = getattr(torch, cfg["rollout_dtype"])
         if self.colocate:  # the workers' staging copy
             self.copy = staging(plan, cfg, device)
             if device.type == "cuda":
                 from torch.multiprocessing.reductions import reduce_tensor
                 store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
-        else:  # two: one is filled while the other is sent
-            size = max([n for _, n, weights in plan if len(weights) > 1], default=0)
-            self.buffers = [torch.empty(size, dtype=self.dtype, device=device) for _ in "ab"]
         store.set("plan", pickle.dumps(plan))  # last: the workers wait for it
-        self.wake, self.pg = weight_groups(
-            store, 0, 1 + workers, device, self.colocate, cfg["timeout_s"])
+        world = 1 + cfg["tensor_parallel_size"]
+        self.links = [weight_groups(store, e, 0, world, device, self.colocate, cfg["timeout_s"])
+                      for e in range(len(ctls))]
         if self.colocate and device.type == "cpu":  # all mapped: none left after a kill -9
             os.unlink(self.copy.untyped_storage().filename)
+        self.cond = threading.Condition()
+        self.latest = None  # (version, snapshot) for the threads; (-1, None): stop
+        self.error = None  # a thread's, raised by the next push
+        self.threads = [threading.Thread(target=self.send, args=(e,), daemon=True)
+                        for e in range(0 if self.colocate else len(ctls))]
+        for t in self.threads:
+            t.start()
 
-    def close(self):  # NCCL's communicator shut down, not left to hang
-        if type(self.pg).__name__ == "ProcessGroupNCCL":
-            self.pg.shutdown()
+    def send(self, e):  # a thread: engine e's pushes, the newest whenever it is ready
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on GPU 0
+        wake, pg = self.links[e]
+        version = None
+        try:
+            while True:
+                with self.cond:
+                    self.cond.wait_for(lambda: self.latest and self.latest[0] != version)
+                    version, snapshot = self.latest
+                if version < 0:
+                    return broadcast_version(self.ctls[e], -1)
+                if self.paused:  # it receives as it loads
+                    broadcast_version(self.ctls[e], version)
+                finish(wake.allreduce([torch.tensor([version])]))  # it has loaded the last
+                # NCCL's stream waits for the fill, queued before on this device's current one
+                for w in [pg.broadcast(snapshot[o:o + n], 0) for o, n, _ in self.plan]:
+                    finish(w)
+                if not self.paused:  # it received as it generated: now it loads
+                    broadcast_version(self.ctls[e], version)
+                del snapshot  # freed once no thread sends it
+        except Exception as err:
+            self.error = f"sending weights to rollout process {e} failed: {err}"
+
+    def publish(self, latest):
+        with self.cond:
+            self.latest = latest
+            self.cond.notify_all()
+
+    def stop(self, timeout_s):  # every engine is told -1, after its push in flight
+        for ctl in self.ctls if self.colocate else ():
+            broadcast_version(ctl, -1)
+        self.publish((-1, None))
+        for t in self.threads:
+            t.join(timeout_s)
+
+    def close(self):  # NCCL's communicators shut down, not left to hang
+        for _, pg in self.links:
+            if type(pg).__name__ == "ProcessGroupNCCL":
+                pg.shutdown()
+
+
+def fill(flat, plan, tensors):  # (name, tensor) in plan order -> into a flat copy, cast
+    for offset, n, weights in plan:
+        for (name, part), (got, t) in zip(weights_in(flat[offset:offset + n], weights), tensors):
+            assert got == name, f"weight order changed: expected {name}, got {got}"
+            part.copy_(t.detach())
 
 
 def push(sender, tensors, version, check_alive=lambda: None):
-    """Trainer rank 0: (name, full tensor) in plan order to every worker as `version`."""
-    finish(sender.wake.allreduce([torch.tensor([version])]), check_alive)  # a push begins
-    works = []
-    for i, (offset, n, weights) in enumerate(sender.plan):
-        if len(works) == 2:  # bucket i - 2 is sent: its buffer is free
-            finish(works.pop(0), check_alive)
-        parts = [next(tensors) for _ in weights]
-        for (name, _), (got, _) in zip(weights, parts):
-            assert got == name, f"weight order changed: expected {name}, got {got}"
-        if sender.colocate or len(weights) > 1:
-            flat = sender.copy[offset:offset + n] if sender.colocate else sender.buffers[i % 2][:n]
-            for (_, part), (_, t) in zip(weights_in(flat, weights), parts):
-                part.copy_(t.detach())
-        else:  # a weight alone goes as it is: no buffer its size
-            flat = parts[0][1].detach().to(sender.dtype).reshape(-1)
-        if not sender.colocate:
-            works.append(sender.pg.broadcast(flat, 0))
-    if sender.colocate:
-        barrier(sender.pg, sender.device)  # all written
-    for w in works:
-        finish(w, check_alive)
+    """Trainer rank 0: (name, full tensor) in plan order -> every engine, as `version`."""
+    if sender.error:
+        raise RuntimeError(sender.error)
+    if not sender.colocate:
+        sender.publish(None)  # a thread not yet on the last takes this one
+        snapshot = torch.empty(sum(n for _, n, _ in sender.plan), dtype=sender.dtype,
+                               device=sender.device)
+        fill(snapshot, sender.plan, tensors)
+        return sender.publish((version, snapshot))
+    for wake, _ in sender.links:  # colocated: once every engine has loaded the last
+        finish(wake.allreduce([torch.tensor([version])]), check_alive)
+    fill(sender.copy, sender.plan, tensors)
+    for _, pg in sender.links:
+        barrier(pg, sender.device)  # all written
+    for ctl in sender.ctls:
+        broadcast_version(ctl, version)
 
 
-def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc)
+def join(worker, cfg, e):  # in each vLLM worker of engine e (collective_rpc)
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
@@ -245,9 +297,9 @@ def join(worker, cfg, first_rank):  # in each vLLM worker (collective_rpc)
         copy = fn(*args)
     elif cfg["colocate"] or staged(cfg):
         copy = staging(plan, cfg, device)
-    world = 1 + cfg["engines"] * cfg["tensor_parallel_size"]
+    world = 1 + cfg["tensor_parallel_size"]  # rank 0 and this engine's workers
     groups = weight_groups(
-        store, first_rank + worker.rank, world, device, cfg["colocate"], cfg["timeout_s"])
+        store, e, 1 + worker.rank, world, device, cfg["colocate"], cfg["timeout_s"])
     worker.nanoasync = s = dict(
         copy=copy, plan=plan, device=device, groups=groups, colocate=cfg["colocate"],
         dtype=getattr(torch, cfg["rollout_dtype"]), timeout_s=cfg["timeout_s"],

@@ -157,17 +157,12 @@ else:
 
 
 def push_weights(version):
-    """Every rank gathers the weights; rank 0 sends them and the version to the engines."""
-    if not master:
+    """Every rank gathers the weights; rank 0 hands them to the engines' senders (sync.py)."""
+    if master:
+        sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
+    else:
         for _ in full_weights():  # each full_tensor() is an all-gather: all ranks join
             pass
-        return
-    paused = not (colocate or sync.staged(config))  # they receive it paused: tell them first
-    if paused:
-        sync.broadcast_version(fleet.ctl, version)
-    sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
-    if not paused:  # they received it while generating: now they copy it in
-        sync.broadcast_version(fleet.ctl, version)
 
 
 def micro_batch(groups, step, n_tok):

@@ -24,9 +24,11 @@ if __name__ == "__main__":
                rollout_port=port, stage_weights=True, host="127.0.0.1", engines=1)
     llm = rollout.make_llm(cfg, "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
-    llm.collective_rpc(sync.join, args=(cfg, 1))
+    ctl, _ = sync.connect(store, 1, 1, 60)
+    llm.collective_rpc(sync.join, args=(cfg, 0))
     for i in range(repeats):
-        store.wait([f"push{i}"])
+        sync.broadcast_version(ctl)  # announced: received
         llm.collective_rpc(sync.load)
+        store.set(f"loaded{i}", "1")
         store.wait([f"raw{i}"])
         llm.collective_rpc(raw, args=(int(store.get("numel")),))

@@ -1,6 +1,6 @@
 """The staleness budget (budget.py) over a real TCPStore, as engines share it: fair shares after a
-load, a share left unused taken by another engine, and never a start past the bound, however
-many engines take at once."""
+load, a share left unused (or by an engine behind) taken by another engine, and never a start
+past the bound, however many engines take at once."""
 import random
 import threading
 import time
@@ -29,9 +29,21 @@ def test_after_a_load_each_engine_gets_its_share_then_what_is_left_is_anyones(mo
     time.sleep(0.6)  # b never came (stopped, or full): its share is anyone's now
     assert a.take(0, 0) == 8 and a.take(0, 0) == 0 and b.take(0, 0) == 0
     a.give_back()  # one of a's groups came back flat: another may start
-    # version 1: 8 more and the one given back, 9; b's share of 24 is 12, a's is spent
-    assert b.take(1, 0) == 9 and a.take(1, 0) == 0
+    # version 1 adds 8: 4 each, whatever came before; the one given back is anyone's later
+    assert b.take(1, 0) == 4 and a.take(1, 0) == 4 and b.take(1, 0) == 0
+    time.sleep(0.6)
+    assert b.take(1, 0) == 1 and a.take(1, 0) == 0
     assert int(master.add("started", 0)) == 24 == a.started - 1 + b.started
+
+
+def test_an_engine_two_versions_behind_reserves_nothing(monkeypatch):
+    """b stopped at version 0 (its pushes are late): a, at version 2, may take b's share too;
+    b, back at version 3, takes its share of what 3 added, not what it missed."""
+    monkeypatch.setattr(budget, "LOOK_S", 0.0)
+    master, (a, b) = budgets(2)
+    assert a.take(0, 0) == 8 and a.take(1, 0) == 4  # b at 0 is one behind: half of 16, of 8
+    assert a.take(2, 0) == 20 and b.take(0, 0) == 0  # two behind: all 32 are anyone's
+    assert b.take(3, 0) == 4 and a.take(3, 0) == 4  # b caught up: 40, half of 8 each
 
 
 def test_free_slots_bound_the_starts():

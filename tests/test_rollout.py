@@ -1,5 +1,5 @@
 """One real rollout process driven by this test as trainer rank 0 would drive it (fleet.Fleet,
-sync.push, sync.broadcast_version): new weights every 0.1 s while long answers are generated.
+sync.push): new weights every 0.1 s while long answers are generated.
 
 Odd versions make the policy sharply peaked, even versions exactly uniform (the final norm's weight
 zeroed: every logit is 0, whatever the KV cache holds), so each token's logprob says which weights
@@ -20,6 +20,15 @@ from reward import is_flat
 import sync
 import tool_task
 from conftest import ROOT, free_port
+
+
+def push(fleet, tensors, v):
+    """As train.py pushes, then until every engine has loaded it (budget.py's `loaded{e}`): each
+    version reaches the engines, none skipped for a newer one."""
+    sync.push(fleet.sender, tensors, v)
+    while any(fleet.store.get(f"loaded{e}") != str(v).encode() for e in range(fleet.engines)):
+        fleet.check_alive()
+        time.sleep(0.01)
 
 
 def defaults():  # train.py's default config, without running train.py
@@ -48,9 +57,8 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
         for v in range(1, 13):
             time.sleep(0.1)
             scale = 0.0 if v % 2 == 0 else 40.0
-            sync.push(fleet.sender, ((n, p * scale if n == "model.norm.weight" else p)
-                                     for n, p in model.named_parameters()), v)
-            sync.broadcast_version(fleet.ctl, v)
+            push(fleet, ((n, p * scale if n == "model.norm.weight" else p)
+                         for n, p in model.named_parameters()), v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 8 and time.time() < deadline:
             fleet.check_alive()
@@ -110,8 +118,7 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.02)
             states.append({k: t.clone() for k, t in model.state_dict().items()})
-            sync.push(fleet.sender, model.named_parameters(), v)
-            sync.broadcast_version(fleet.ctl, v)
+            push(fleet, model.named_parameters(), v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 6 and time.time() < deadline:
             fleet.check_alive()
@@ -168,9 +175,8 @@ def test_the_engines_start_no_more_than_the_budget_and_share_it(tiny):
             while len(fleet.buffer.groups) < arrived[-1] + 8 and time.time() < deadline:
                 fleet.check_alive()
                 time.sleep(0.05)
-            sync.push(fleet.sender, model.named_parameters(), v)
+            push(fleet, model.named_parameters(), v)
             arrived.append(len(fleet.buffer.groups))
-            sync.broadcast_version(fleet.ctl, v)
         groups = list(fleet.buffer.groups)
         fleet.stop(60)
     finally:

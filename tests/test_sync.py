@@ -33,6 +33,7 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate, staged, mon
     prompt = AutoTokenizer.from_pretrained(path).encode("What is 12 + 7?")
     port = free_port()
     cfg = {"rollout_dtype": "float32", "colocate": colocate, "rollout_port": port, "timeout_s": 60,
+           "tensor_parallel_size": 1,
            "stage_weights": staged}
     monkeypatch.setattr(sync, "BUCKET", 2**16)  # several buckets; the embedding (128 KiB) alone
     store = sync.open_store("127.0.0.1", port, True, 60)
@@ -43,14 +44,14 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate, staged, mon
         meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied embedding once
         plan = sync.plan(meta, torch.float32)
         assert len(plan) > 2 and any(len(weights) == 1 for _, _, weights in plan)
-        sender = sync.Sender(store, plan, cfg, torch.device("cpu"), 1)
+        ctls, _ = sync.connect(store, 0, 1, 60)
+        sender = sync.Sender(store, plan, cfg, torch.device("cpu"), ctls)
         versions = [copy.deepcopy(model)]
         for k in (1, 2):
             torch.manual_seed(k)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-            store.set(f"push{k}", "1")
             sync.push(sender, model.named_parameters(), k)
             versions.append(copy.deepcopy(model))
         assert peer.wait(timeout=60) == 0

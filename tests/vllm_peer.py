@@ -18,7 +18,8 @@ if __name__ == "__main__":
                            "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
     cfg = dict(cfg, host="127.0.0.1", engines=1, tensor_parallel_size=1)
-    llm.collective_rpc(sync.join, args=(cfg, 1))
+    ctl, _ = sync.connect(store, 1, 1, 60)
+    llm.collective_rpc(sync.join, args=(cfg, 0))
     prompt = json.loads(store.get("prompt"))
     params = SamplingParams(n=4, temperature=0.7, max_tokens=16, logprobs=0)
 
@@ -29,7 +30,7 @@ if __name__ == "__main__":
 
     samples = [sample()]
     for _ in range(2):  # two pushes: the double buffers are reused across pushes too
-        store.wait([f"push{len(samples)}"])
+        sync.broadcast_version(ctl)  # the version announced
         llm.collective_rpc(sync.load)
         llm.reset_prefix_cache()
         samples.append(sample())
