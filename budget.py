@@ -1,32 +1,25 @@
-"""budget.py: when an engine may start a group. Batch k trains at version k, so a group started at
-version v is at most max_staleness old when trained if at most allowed(v) = (v - v0 +
-max_staleness + 1) * batch_groups groups started since version v0, net of those dropped. Engines
-count starts in one number in the store (an atomic add) and give back at once any past allowed(v):
-exact. For RESERVE_S after loading v each takes only its equal share of what v added, unless an
-engine is two versions behind (stopped, or slow to load); then what the others left is anyone's:
-fair from the first step, and a slow, full or stopped engine holds no other back.
-"""
+"""budget.py: when an engine may start a group. One started at version v is <= max_staleness old
+when trained if <= allowed(v) = (v - v0 + max_staleness + 1) * batch_groups started since v0, net
+of those dropped: a count in the store, taken by atomic adds (exact). For RESERVE_S after loading
+v an engine takes only its share of what v added (none kept for one 2 versions behind); then the
+rest is anyone's: fair from the start, and none holds another back."""
 import time
 
-RESERVE_S = 2.0  # after a load, how long the others' shares stay theirs
-LOOK_S = 0.01  # spent: look again at most this often (a store round trip)
+RESERVE_S = 2.0  # after a load, the others' shares stay theirs this long
+LOOK_S = 0.01  # spent: look again at most this often
 
 
 class Budget:
     def __init__(self, store, cfg, e, v0):
         self.store, self.cfg, self.e, self.v0 = store, cfg, e, v0
         self.started = 0  # our starts
-        self.version = None  # the version we hold, since loaded_at
+        self.version = None  # ours, since loaded_at
         self.loaded_at = 0.0
-        self.taken = 0  # our starts since, less the flat ones we gave back
+        self.taken = 0  # our starts since, less flat ones given back
         self.look_at = 0.0  # no store round trip before
-        store.set(f"loaded{e}", str(v0))  # the version we hold, for the others to see
+        store.set(f"loaded{e}", str(v0))  # our version, for the others to see
 
-    def allowed(self, version):
-        c = self.cfg
-        return (version - self.v0 + c["max_staleness"] + 1) * c["batch_groups"]
-
-    def take(self, version, holding):  # -> how many groups start now; holding: our slots used
+    def take(self, version, holding):  # -> groups to start now; holding: our slots used
         c, E = self.cfg, self.cfg["engines"]
         now = time.monotonic()
         if version != self.version:
@@ -35,17 +28,17 @@ class Budget:
         free = (c["rollout_seqs"] - holding) // c["group_size"]
         if free <= 0 or now < self.look_at:
             return 0
-        allowed = self.allowed(version)
+        allowed = (version - self.v0 + c["max_staleness"] + 1) * c["batch_groups"]
         n = min(free, allowed - int(self.store.add("started", 0)))  # add(key, 0) reads it
         if now - self.loaded_at < RESERVE_S and E > 1:  # ours only, unless one is behind
             loaded = self.store.multi_get([f"loaded{f}" for f in range(E)])
-            if min(map(int, loaded)) >= version - 1:  # engines 0.. take the remainder
-                new = allowed - (self.allowed(version - 1) if version > self.v0 else 0)
+            if min(map(int, loaded)) >= version - 1:  # the first take the remainder
+                new = allowed if version == self.v0 else c["batch_groups"]  # v added
                 n = min(n, new // E + (1 if self.e < new % E else 0) - self.taken)
         if n <= 0:
             self.look_at = now + LOOK_S
             return 0
-        # ours are the last n of the count: those past allowed go back (another was quicker)
+        # ours are the last n: those past allowed go back
         over = min(n, max(0, int(self.store.add("started", n)) - allowed))
         if over:
             self.store.add("started", -over)
@@ -54,10 +47,10 @@ class Budget:
         self.taken += n
         return n
 
-    def give_back(self):  # a flat group of ours: the trainer skips it, another may start
+    def give_back(self):  # a flat group of ours: the trainer skips it
         give_back(self.store)
         self.taken -= 1
 
 
-def give_back(store):  # a group dropped (flat, or stale): another may start
+def give_back(store):  # a group dropped (flat, stale): another may start
     store.add("started", -1)

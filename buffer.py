@@ -1,8 +1,6 @@
 """buffer.py: rank 0 holds the groups engines sent until the trainer takes them, first in, first
-out. It drops groups too stale to train (their engine may start others: budget.py) and, with
-drop_flat, groups whose rewards are all equal (no signal). deal() splits a batch over the ranks.
-Simplifications: no priority, no replay, no memory cap but the budget.
-"""
+out, dropping those too stale to train and, with drop_flat, those whose rewards are all equal.
+deal() splits a batch over the ranks. Simplifications: no priority, no replay, no memory cap."""
 import threading
 import time
 from collections import Counter
@@ -12,16 +10,16 @@ from reward import is_flat
 
 
 class Stopped(Exception):
-    """Ctrl-C, SIGTERM (torchrun passes both to all ranks) or a stall: stop at the step boundary."""
+    """Ctrl-C, SIGTERM (torchrun signals every rank), a stall: stop at the step boundary."""
 
 
 class Buffer:
     def __init__(self, max_staleness, drop_flat, on_discard=lambda group: None, stall_s=0):
         self.max_staleness = max_staleness
         self.drop_flat = drop_flat
-        self.on_discard = on_discard  # gives a stale group's start back to the budget
-        self.stall_s = stall_s  # > 0: this long with nothing usable stops the run
-        self.groups = []  # as they came; an exception means its producer died
+        self.on_discard = on_discard  # a stale group's start back to the budget
+        self.stall_s = stall_s  # > 0: this long with nothing usable: stop
+        self.groups = []  # as they came; an exception: its producer died
         self.cond = threading.Condition()
         self.dropped = {"stale": 0, "flat": 0}  # over the run
 
@@ -31,12 +29,11 @@ class Buffer:
             self.cond.notify()
 
     def get(self, version, n_groups, check_alive=lambda: None, report=lambda text, groups: None):
-        """-> (n_groups usable groups, every group taken out, seconds waited). check_alive()
-        each second; report() each min(60, stall_s / 3) s, with what was dropped meanwhile."""
+        """-> (n_groups usable, every group taken out, seconds waited); report()s as it waits."""
         check_alive()
         batch, seen = [], []
-        dropped, reported = [], 0  # since the last usable group; how many of them reported
-        start = told = usable = time.perf_counter()  # usable: when a usable group last came
+        dropped, reported = [], 0  # since the last usable one; how many reported
+        start = told = usable = time.perf_counter()  # usable: when one last came
         while len(batch) < n_groups:
             with self.cond:
                 while not self.groups:
@@ -58,7 +55,7 @@ class Buffer:
             seen.append(g)
             stale = version - g["version_min"] > self.max_staleness
             flat = self.drop_flat and is_flat(g)
-            if stale and not flat:  # its engine may start another (a flat one's did)
+            if stale and not flat:  # its engine may start another
                 self.on_discard(g)
             why = "stale" if stale else "flat" if flat else None
             if why:
@@ -79,9 +76,8 @@ def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 
 
 
 def deal(groups, world_size):
-    """-> each rank's groups: the longest first, each to the rank with the fewest tokens yet, as
-    a step lasts as long as its slowest rank. A flat group has no gradient, so it goes only to a
-    rank that would have none (FSDP: every rank runs a forward and a backward)."""
+    """-> each rank's groups: the longest first, each to the rank with the fewest tokens yet (a
+    step lasts as its slowest rank). A flat group (no gradient) only fills a rank with none."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for g in sorted([g for g in groups if not is_flat(g)], key=tokens, reverse=True):
         r = load.index(min(load))

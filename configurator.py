@@ -1,5 +1,5 @@
-"""configurator.py: train.py's config. Config files (config/*.py), then --key=value, override
-its defaults, each keeping its type; check() validates the rest. A mistake stops with why."""
+"""configurator.py: config files (config/*.py), then --key=value, override train.py's defaults,
+each keeping its type; check() validates the rest. A mistake stops, saying why."""
 import ast
 import difflib
 import importlib.util
@@ -25,7 +25,7 @@ def _set(cfg, key, value, origin):
     cfg[key] = want(value)  # an int for a float: promoted
 
 
-def apply(scope, argv):  # -> the config: scope's (train.py's globals), argv applied
+def apply(scope, argv):  # -> scope's config (train.py's globals) with argv
     cfg = {k: v for k, v in scope.items() if k[0] != "_" and isinstance(v, (int, float, str))}
     for arg in argv:
         if not arg.startswith("--"):
@@ -50,7 +50,7 @@ def apply(scope, argv):  # -> the config: scope's (train.py's globals), argv app
     return cfg
 
 
-def resolve_model(name):  # -> a local folder: name, or the hub's copy of it (downloaded once)
+def resolve_model(name):  # -> name, a local folder, or the hub's copy
     make = "`python prepare.py tiny|smollm2` makes one offline"
     if os.path.isdir(name):
         if not os.path.isfile(f"{name}/config.json"):
@@ -66,7 +66,7 @@ def resolve_model(name):  # -> a local folder: name, or the hub's copy of it (do
             f"--model=DIR, or {make}")
 
 
-def check(cfg, world):  # what can be checked before anything starts; -> cfg, model resolved
+def check(cfg, world):  # before anything starts -> cfg, model resolved
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     import reward
     if cfg["batch_groups"] % world:
@@ -98,7 +98,7 @@ def check(cfg, world):  # what can be checked before anything starts; -> cfg, mo
     if not causal:
         die(f"model {cfg['model']!r} is a {'/'.join(archs) or kind!r} model, not a causal language "
             "model: use a decoder-only LM")
-    try:  # the rollout processes load the task too; its errors are clearer here
+    try:  # the engines load it too; its errors are clearer here
         reward.load_task(cfg)
     except (OSError, ValueError, KeyError) as e:
         die(str(e))

@@ -1,7 +1,5 @@
-"""fleet.py: the engines, as the trainer sees them. place() gives them GPUs or CPU cores,
-spawn() starts them, watch() is each rank's heartbeat; on rank 0 Fleet holds the store and
-wires (sync.py), puts what the engines send into a Buffer, and knows if each runs.
-"""
+"""fleet.py: the engines, as the trainer sees them: place() (GPUs or cores), spawn(), watch()
+(each rank's heartbeat); on rank 0 Fleet: the store, the wires, a Buffer of what they send."""
 import json
 import os
 import signal
@@ -22,23 +20,23 @@ TORCHRUN_ENV = ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_
 
 
 def place(cfg, world, local_world, device, leader):
-    """-> (this node's engines' GPUs, after its ranks'; cores a lone CPU rank may borrow)."""
+    """-> (this node's engines' GPUs, after its ranks'; cores a lone CPU rank borrows)."""
     import torch
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
     if device.type == "cpu":
-        cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's, as its own GPU would be
+        cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's
         borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0
         ours = os.sched_getaffinity(0) - cores
         if cores and not borrow:
             os.sched_setaffinity(0, ours)
-        # a thread a core of ours: OpenMP's default spins on vLLM's too
+        # a thread a core of ours: OpenMP's default spins on vLLM's
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or
                                   max(1, len(ours) // local_world)))
         return [[] for _ in range(E)] if leader else [], borrow
     torch.cuda.set_device(device)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(g) for g in range(torch.cuda.device_count())]
-    # bench.py --gpu: engines on the trainer's GPU, not colocated
+    # bench.py --gpu: engines on the trainer's GPU
     share = cfg["colocate"] or os.environ.get("NANOASYNC_SHARE_GPU") == "1"
     first = 0 if share else local_world
     if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
@@ -52,18 +50,18 @@ def place(cfg, world, local_world, device, leader):
 
 
 def spawn(cfg, engine_gpus, first, engines, host, plan):
-    """This node's engines, numbered from first, as processes (not torchrun ranks)."""
+    """This node's engines, numbered from first: processes, not torchrun ranks."""
     import torch
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
-    env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # workers: sync
+    env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # for sync
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # its core in-process: per-token tags
     if spec := cfg["rollout_cpus"]:
         env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(rollout.cpus(spec))))
-    if cfg["rollout_dtype"] == "float32":  # a GPU's Triton attention: IEEE fp32, not TF32
+    if cfg["rollout_dtype"] == "float32":  # Triton attention in IEEE fp32, not TF32
         env.setdefault("TRITON_F32_DEFAULT", "ieee")
     share = cfg["gpu_memory_utilization"]
     if torch.cuda.is_available() and not cfg["colocate"] and sync.staged(cfg):
-        # the weights' staging copy counts in vLLM's share
+        # the staging copy counts in vLLM's share
         size = sum(n for _, n, _ in plan) * getattr(torch, cfg["rollout_dtype"]).itemsize
         share -= size / torch.cuda.get_device_properties().total_memory
         if share < 0.05:
@@ -77,7 +75,7 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):
 
 
 def watch(cfg, rank, world, local_world, nodes, engines=()):
-    """Rank `rank`'s heartbeat, watching every other rank and engine, and `engines`' exits."""
+    """Rank `rank`'s heartbeat, watching the other ranks, the engines, `engines`' exits."""
     E = cfg["rollout_engines"]
     node = rank // local_world
     peers = {f"rank{r}": f"trainer rank {r} (node {r // local_world})"
@@ -88,19 +86,19 @@ def watch(cfg, rank, world, local_world, nodes, engines=()):
                           lambda store: report_exits(engines, node * E, node))
 
 
-class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
+class Fleet:  # rank 0's end of every engine
     def __init__(self, cfg, plan, device, engine_gpus, ckpt, stop_requested, nodes=1, world=1,
                  local_world=1):
         self.engines = cfg["rollout_engines"] * nodes
         self.stop_requested = stop_requested  # -> the signals received
         self.evals = []  # engine 0's, as they finish
-        self.stats = {}  # engine -> its counters in its last message
+        self.stats = {}  # engine -> its last counters
         self.last = {}  # the counters at the last rollout_stats()
-        self.done = set(ckpt.get("done", []))  # prompt stream positions taken
-        self.next = ckpt.get("next", 0)  # every position below it is taken
+        self.done = set(ckpt.get("done", []))  # stream positions taken
+        self.next = ckpt.get("next", 0)  # every position below it too
         self.procs = []  # node 0's engines
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        try:  # port taken, or an engine died starting
+        try:  # a port taken, an engine dead
             self.store = sync.open_store(host, cfg["rollout_port"], True, cfg["timeout_s"])
             self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
                                                 "next": self.next, "done": sorted(self.done)}))
@@ -117,8 +115,7 @@ class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
             die(str(e))
         ctls, trajs = sync.connect(self.store, 0, self.engines, cfg["timeout_s"])
         self.sender = sync.Sender(self.store, plan, cfg, device, ctls)
-        # a stale group's start goes back to the budget
-        discard = lambda g: budget.give_back(self.store)
+        discard = lambda g: budget.give_back(self.store)  # a stale group's start
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped = dict(zip(("stale", "flat"), ckpt.get("dropped", [0, 0])))
         self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
@@ -127,8 +124,7 @@ class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
             r.start()
 
     def check_alive(self, stoppable=True):
-        """Raises for a signal (not in a push, which every rank must finish) or an exit of one
-        of our engines; the heartbeats catch a silent rank or engine, of any node."""
+        """Raises for a signal (not in a push: all ranks finish it) or an engine's exit."""
         if stoppable and self.stop_requested():
             raise Stopped(signal.Signals(self.stop_requested()[0]).name)
         for e, p in enumerate(self.procs):
@@ -143,15 +139,15 @@ class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
                 if msg["kind"] == "group":
                     self.buffer.put(msg)
                 elif msg["kind"] == "eval":
-                    self.evals.append(dict(msg, t=time.perf_counter()))  # when it finished
+                    self.evals.append(dict(msg, t=time.perf_counter()))
         except Exception as e:
             self.buffer.put(RuntimeError(f"lost a rollout process: {e}"))
 
-    def idle(self, version):  # borrow_cpus: every engine waits for the next weights
+    def idle(self, version):  # borrow_cpus: every engine waits
         mark = str(version).encode()
         return all(self.store.get(f"idle{e}") == mark for e in range(len(self.procs)))
 
-    def resume_state(self):  # for a checkpoint: where the prompt stream goes on
+    def resume_state(self):  # for a checkpoint
         while self.next in self.done:
             self.done.remove(self.next)
             self.next += 1
@@ -159,8 +155,7 @@ class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
                 "dropped": [self.buffer.dropped[why] for why in ("stale", "flat")]}
 
     def rollout_stats(self):
-        """The engines' counters, summed; the share of its slots each engine's vLLM ran over
-        its steps since the last call (their mean); their last loads' mean pause."""
+        """Counters summed; since the last call, the mean share of slots running; mean pause."""
         now = {e: dict(s) for e, s in self.stats.items()}
         delta = lambda e, k: now[e][k] - self.last.get(e, {}).get(k, 0)
         fracs = [delta(e, "rollout_running") / delta(e, "rollout_steps") for e in now
@@ -177,18 +172,18 @@ class Fleet:  # rank 0's end of every engine (other ranks only join pushes)
             time.sleep(0.1)
         return done()
 
-    def stop(self, timeout_s):  # every engine, on every node, says bye; ours exit
+    def stop(self, timeout_s):  # every engine says bye; ours exit
         self.sender.stop(timeout_s)
         for r in self.receivers:
             r.join(timeout_s)
         kill(self.procs, timeout_s)
 
-    def close(self):  # a clean end, once every rank stopped watching
+    def close(self):  # a clean end, no rank watching
         self.heartbeat.stop()
         self.sender.close()
 
 
-def report_exits(procs, first, node):  # another node's engines: which died, and how
+def report_exits(procs, first, node):  # another node's engines
     for e, p in enumerate(procs, first):
         if p.poll() not in (None, 0) and not hasattr(p, "reported"):
             p.reported = True
@@ -196,7 +191,7 @@ def report_exits(procs, first, node):  # another node's engines: which died, and
                   f"{p.returncode}", file=sys.stderr, flush=True)
 
 
-def kill(procs, timeout_s=0):  # engines told to stop get timeout_s to exit, then no more
+def kill(procs, timeout_s=0):  # given timeout_s to exit
     deadline = time.time() + timeout_s
     for p in procs:
         with suppress(subprocess.TimeoutExpired):

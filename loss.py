@@ -4,9 +4,7 @@
   w_i   = the geometric mean of rho_t over completion i, 0 outside [low, high] = [1/8, 3]
   loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
 One optimizer step a batch: a PPO clip would never bind on fresh tokens; the bounds act on stale.
-A micro-batch is one sequence, no padding: each prompt once, then its completions, each seeing
-its prompt and itself only.
-"""
+A micro-batch is one padding-free sequence: each prompt once, then its completions."""
 import inspect
 import math
 from functools import partial
@@ -36,11 +34,10 @@ def micro_batches(groups, budget):
 
 
 def pack(groups):
-    """A micro-batch as one sequence, on the host; a completion's last token is never read.
-    Attention goes by segments (a prompt over itself, a completion over its prompt and itself),
-    in FlashAttention's form: `keys` lists each one's keys, `cu_q` and `cu_k` where each starts.
-    Token t of a completion is predicted at `src`: its t - 1, for t = 0 its prompt's end."""
-    ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: a segment's (queries, keys)
+    """A micro-batch as one sequence, attending by segments (a prompt over itself, a completion
+    over its prompt and itself) as varlen FlashAttention wants: `keys`, each one's keys; `cu_q`,
+    `cu_k`, where each starts. Token t of a completion is predicted at `src`: its t - 1."""
+    ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: (queries, keys) a segment
     for g in groups:
         P = len(g["prompt_ids"])
         prompt = sum(map(len, ids)) + np.arange(P)
@@ -82,8 +79,7 @@ def pack(groups):
 
 
 def to_device(batch, device):
-    """The arrays to `device`; on a GPU from pinned memory, not blocking (a blocking copy
-    waits for the queued work, and the GPU idles)."""
+    """The arrays to `device`; to a GPU not blocking (that waits for queued work)."""
     out = dict(batch)
     for k, x in batch.items():
         if isinstance(x, np.ndarray):
@@ -92,7 +88,7 @@ def to_device(batch, device):
     return out
 
 
-VARLEN = True  # FlashAttention's varlen kernel where it runs (bench.py compares)
+VARLEN = True  # FlashAttention's varlen kernel where it runs
 VARLEN_TAKES = inspect.signature(varlen_attn).parameters  # once: not traced in every layer
 
 
@@ -101,14 +97,13 @@ def varlen_runs(device, dtype):  # else a Python loop of SDPA calls, compiled pe
 
 
 def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
-    """HF's attention interface over pack(): q [1, H, L, D], k, v [1, Hkv, L, D] -> [1, L, H, D].
-    Causal in a segment, its queries at the end of its keys (a completion's first sees its whole
-    prompt). HF builds no mask for ours."""
+    """HF's attention over pack(): q [1, H, L, D], k, v [1, Hkv, L, D] -> [1, L, H, D], causal
+    in a segment, its queries at the end of its keys (bottom-right)."""
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
     k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]
     if varlen_runs(q.device, q.dtype):
         return varlen(q, k, v, packed, scaling)[None], None
-    out = torch.empty_like(q)  # CPU, fp32: an SDPA call a segment
+    out = torch.empty_like(q)  # else an SDPA call a segment
     for q0, q1, k0, k1 in packed["segments"]:
         causal = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
         seg = [x.transpose(0, 1) for x in (q[q0:q1], k[k0:k1], v[k0:k1])]  # [heads, n, D]
@@ -119,9 +114,8 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
 
 
 def varlen(q, k, v, packed, scaling):
-    """FlashAttention-2's varlen kernel in torch, causal bottom-right, grouped-query heads in it
-    (torch 2.13 wants enable_gqa said; 2.11 has no such flag)."""
-    gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}
+    """torch's FlashAttention-2 varlen kernel: causal bottom-right, grouped-query heads."""
+    gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}  # torch 2.11 has none
     return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], packed["max_q"], packed["max_k"],
                        scale=scaling, window_size=(-1, 0), **gqa)
 
@@ -129,15 +123,14 @@ def varlen(q, k, v, packed, scaling):
 AttentionInterface.register("nanoasync_packed", packed_attention)
 
 
-def mm32(a, b):  # a @ b, fp32 sums and result (on a GPU from bf16, on tensor cores)
+def mm32(a, b):  # a @ b, fp32 sums and result (bf16: on tensor cores)
     if a.is_cuda and a.dtype != torch.float32:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
 class SampledLogprob(torch.autograd.Function):
-    """log_softmax(h @ w.T / T)[ids], `rows` positions at a time, in fp32 like vLLM (bf16 logits
-    round to 3 digits). Unless `keep`, backward recomputes."""
+    """log_softmax(h @ w.T / T)[ids] in fp32 as vLLM, `rows` at a time; kept or recomputed."""
 
     @staticmethod
     def forward(ctx, h, w, ids, temperature, rows, keep):
@@ -168,15 +161,14 @@ class SampledLogprob(torch.autograd.Function):
 
 
 def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
-    """One forward of pack() -> logp [C, T], 0 past each completion's end. The output layer is
-    patched to return the sampled tokens' logprobs [N], not [L, V] logits; called after the
-    body, it would miss FSDP's root hooks that gather its weights."""
+    """One forward of pack() -> logp [C, T]. The output layer returns the sampled tokens'
+    logprobs [N], not [L, V] logits (after the body, it would miss FSDP's hooks)."""
     head = net.get_output_embeddings()
     packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k", "max_q", "max_k")}
 
     def sampled(h):  # [1, L, hidden] -> [N]
         x = h[0, batch["src"]]
-        keep = len(x) * head.weight.shape[0] * 4 <= keep_mb * 2**20  # fp32 logits' bytes
+        keep = len(x) * head.weight.shape[0] * 4 <= keep_mb * 2**20  # fp32 logits
         return SampledLogprob.apply(x, head.weight, batch["targets"], temperature, rows, keep)
     head.forward = sampled
     try:
@@ -194,23 +186,22 @@ def group_advantages(rewards, group_size):  # no division by the std (the result
 
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
-    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's, so micro-batches and ranks add
-    up to its token mean. -> (loss, tokens whose weight was bounded)"""
+    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's, so that micro-batches and ranks
+    add up to its token mean. -> (loss, tokens bounded)"""
     mask = mask.to(logp.dtype)
-    # one ratio a completion, its tokens' geometric mean (per token did worse: the results log)
+    # a ratio a completion, its tokens' geometric mean (per token did worse)
     n = mask.sum(1, keepdim=True).clamp(min=1)
     log_rho = ((logp.detach() - behav) * mask).sum(1, keepdim=True) / n
     bounded = ((log_rho > math.log(high)) | (log_rho < math.log(low))) & (mask > 0)
     w = torch.exp(log_rho) * ~bounded
-    # exp(logp - sg(logp)) is 1 with logp's gradient: the value is -A w, the gradient -A w dlogp
+    # exp(logp - sg(logp)) is 1 with logp's gradient: value -A w, gradient -A w dlogp
     per_tok = -adv.unsqueeze(1) * w * torch.exp(logp - logp.detach())
     return (per_tok * mask).sum() / n_tokens, bounded
 
 
 def wrap_layers(net, compiled, checkpointing):
-    """Compile each decoder layer's body (it fuses the elementwise work between matmuls, a third
-    of a step's GPU time at 1.5B), then maybe checkpoint it: keep only its input, run it again in
-    backward. Compiling around the checkpoint instead compiled nothing (the results log)."""
+    """Compile each layer's body (fusing the elementwise work, a third of a GPU step at 1.5B),
+    then maybe checkpoint it. Compiling around the checkpoint compiled nothing."""
     for layer in net.model.layers:
         if compiled:
             layer.forward = torch.compile(layer.forward)
@@ -219,9 +210,8 @@ def wrap_layers(net, compiled, checkpointing):
 
 
 def shard(net, dtype, checkpointing=False, compiled=False):
-    """FSDP2 on each decoder layer and the root: fp32 master weights and gradient reduction,
-    `dtype` compute, packed attention. Weights stay gathered through a step (train.py): no
-    collective between micro-batches, for 6 bytes a parameter a rank (weights, fp32 grads)."""
+    """FSDP2 on each layer and the root: fp32 master weights, `dtype` compute. Weights stay
+    gathered through a step (train.py): no collective between micro-batches, 6 B a parameter."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     net.set_attn_implementation("nanoasync_packed")
     wrap_layers(net, compiled and varlen_runs(next(net.parameters()).device, dtype), checkpointing)

@@ -1,5 +1,4 @@
-"""metrics.py: rank 0's log: rows of metrics.jsonl (and the tracker), answers in samples.jsonl,
-lines on the console. README names the keys worth watching."""
+"""metrics.py: rank 0's log: metrics.jsonl (and a tracker), samples.jsonl, the console."""
 import importlib
 import json
 import os
@@ -15,9 +14,9 @@ def token_sums(loss, bounded, logp, behav, mask, fresh):
     """A micro-batch's share of SUMS; fresh: the tokens the trained weights sampled."""
     import torch
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
-    whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # their KV cache is fresh too
+    whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # a fresh KV cache too
     log_rho = logp.detach() - behav
-    # k3 = rho - 1 - log rho: an unbiased estimate of KL(vLLM || trainer), never negative
+    # k3 = rho - 1 - log rho: unbiased for KL(vLLM || trainer), never negative
     k3 = torch.expm1(log_rho) - log_rho
     parts = (loss.detach(), fresh, bounded & stale, stale, log_rho.abs() * fresh, whole,
              log_rho.abs() * whole, k3 * whole)
@@ -28,7 +27,7 @@ def ratio(a, b):
     return a / b if b else None  # None: no such tokens this step
 
 
-def reopen(path, start):  # on resume, the rows before the checkpoint stay
+def reopen(path, start):  # resumed: the rows before the checkpoint stay
     kept = open(path).readlines() if start and os.path.exists(path) else []
     f = open(path, "w", buffering=1)
     f.writelines(line for line in kept if json.loads(line)["step"] < start)
@@ -52,7 +51,7 @@ class Log:
         return {"gen_tokens": self.gen_tokens, "elapsed_s": time.perf_counter() - self.t_start}
 
     def step(self, step, groups, seen, sums, fleet, **extra):
-        """groups: the batch trained; seen: every group taken from the buffer; sums: SUMS."""
+        """groups: the batch; seen: every group taken from the buffer; sums: SUMS."""
         s = dict(zip(SUMS, sums))
         comps = [c for g in groups for c in g["completions"]]
         taken = [c for g in seen for c in g["completions"]]  # the dropped ones too
@@ -63,21 +62,21 @@ class Log:
              "reward_mean": mean([c["reward"] for c in taken]), "response_len_mean": mean(n),
              "staleness_mean": mean(stale), "staleness_max": max(stale),
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(fleet.engines)],
-             # the health metric: a jump means wrong weights or wrong sampling
+             # the health metric: a jump means wrong weights or sampling
              "loss": s["loss"], "logprob_mismatch": ratio(s["shift_whole"], s["whole"]),
              "logprob_kl_k3": ratio(s["k3_whole"], s["whole"]),
-             # fresh tokens whose KV cache older weights made (across a load)
+             # fresh tokens over older weights' KV cache (across a load)
              "logprob_shift_reloaded": ratio(s["shift_fresh"] - s["shift_whole"],
                                              s["fresh"] - s["whole"]),
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
-             "cut_frac": mean([c["cut"] for c in comps]),  # cut at max_new_tokens
+             "cut_frac": mean([c["cut"] for c in comps]),  # at max_new_tokens
              "turns_mean": mean([c["turns"] for c in comps]),  # tool calls + 1
-             "env_token_frac": 1 - sum(c["mask"].sum() for c in comps) / sum(n),  # the tools'
+             "env_token_frac": 1 - sum(c["mask"].sum() for c in comps) / sum(n),
              "train_tokens_per_s": (s["fresh"] + s["stale"]) / extra["t_train_s"],
              **{f"dropped_{why}": n for why, n in fleet.buffer.dropped.items()},
              "prompts": sorted(g["pos"] for g in groups), **self.state(), **extra,
              **fleet.rollout_stats()}
-        eta = m["elapsed_s"] / (step + 1) * (self.cfg["max_steps"] - step - 1)  # at the mean pace
+        eta = m["elapsed_s"] / (step + 1) * (self.cfg["max_steps"] - step - 1)
         print(f"step {step:4d}/{self.cfg['max_steps']} | reward {m['reward_mean']:.3f} | stale "
               f"{m['staleness_mean']:.2f}/{m['staleness_max']} | wait {m['t_wait_s']:.2f}s train "
               f"{m['t_train_s']:.2f}s sync {m['t_sync_s']:.2f}s | {m['train_tokens_per_s']:.0f} "
@@ -86,14 +85,14 @@ class Log:
         self.sample(groups[:2], step=step)
         self.evals(fleet.evals)
 
-    def sample(self, groups, **tag):  # two answers of each group to samples.jsonl
+    def sample(self, groups, **tag):  # two answers a group to samples.jsonl
         for g in groups:
             for c in g["completions"][:2]:
                 row = {**tag, "prompt": g["prompt"], "completion": c["text"], "reward": c["reward"],
                        "versions": sorted(set(c["versions"].tolist()))}
                 print(json.dumps(row), file=self.completions)
 
-    def waiting(self, text, groups):  # buffer.get's report while it waits for a batch
+    def waiting(self, text, groups):  # buffer.get's report as it waits
         print(text, flush=True)
         for g in groups[-2:]:
             self.sample([g], dropped=g["dropped"])
@@ -101,7 +100,7 @@ class Log:
     def evals(self, evals):
         while evals:
             e = evals.pop(0)
-            lo, hi = e["eval_versions"]  # the versions its tokens came from
+            lo, hi = e["eval_versions"]  # its tokens' versions
             print(f"eval @ version {e['version']}: accuracy {e['eval_accuracy']:.3f} "
                   f"(n={e['eval_n']}, weights {lo}..{hi})", flush=True)
             row = {k: e[k] for k in e if k == "version" or k.startswith("eval_")}
@@ -109,9 +108,9 @@ class Log:
 
     def write(self, m):  # a metrics.jsonl row, and the tracker's
         print(json.dumps(m), file=self.metrics)
-        if self.cfg["tracker"] == "trackio":  # "step" is its own, and ours may repeat
+        if self.cfg["tracker"] == "trackio":  # its own "step"; ours may repeat
             self.run.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
-        elif self.run:  # wandb's own step must grow: an eval shares m["step"] with a step's row
+        elif self.run:  # wandb's step must grow; an eval shares a step's
             self.run.log(m)
 
     def close(self, evals):

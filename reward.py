@@ -1,9 +1,7 @@
-"""reward.py: the tasks, and processes to run their code. A task (load_task) is problems (train
-and eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward, and maybe
-turn(text, answer) -> the tool's words after a model turn, or None if it is final.
-Grades and tools run in worker processes beside the engine loop; one past its time limit dies
-with its process (sympy can spin in C, where no signal reaches). Simplifications: reward 1 or 0
-(rg: its scorer's); no format reward; a tool's words are plain text; a failed call ends it."""
+"""reward.py: the tasks, and processes to run their code. A task (load_task): problems (train and
+eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward, maybe turn(text, answer)
+-> the tool's words (None: final). They run in worker processes, killed past a time limit (sympy
+can spin in C). Simplifications: reward 1 or 0 (rg: its scorer's); a tool's words: plain text."""
 import ast
 import ctypes
 import functools
@@ -70,7 +68,7 @@ def gsm8k(data_path, seed, n_eval, instruction=BOXED):
     return problems(train, instruction), problems(test[:n_eval], instruction)
 
 
-CALL = ("<calc>", "</calc>")  # a turn ending in <calc>12 * 34</calc> calls the calculator
+CALL = ("<calc>", "</calc>")  # a turn ending in <calc>12 * 34</calc> calls it
 WORDS = ["Each of {a} boxes holds {b} pens. How many pens are there?",
          "A train travels {b} km every hour for {a} hours. How far does it go?",
          "A farm has {a} rows of {b} trees. How many trees are there?",
@@ -79,7 +77,7 @@ SHOT = ("A farm has 125 cows and buys 37 more. How many cows does it have?", "12
 
 
 def calculator(seed, n_eval, tool=True, n=5000):
-    """Products too large for a small model's head, in words, after a worked example (a sum)."""
+    """Products too large for a small model's head, in words, after a worked sum."""
     q, expr, value = SHOT
     shown = f"{CALL[0]}{expr}{CALL[1]}<result>{value}</result>" if tool else f"{expr} = {value}."
     chat = [{"role": "user", "content": q},
@@ -116,7 +114,7 @@ def calculator_turn(text, answer):
         v = calculate(text[:-len(CALL[1])].rpartition(CALL[0])[2])
         v = int(v) if v == int(v) else round(v, 6)
     except (ValueError, ArithmeticError, SyntaxError, TypeError, RecursionError):
-        v = "error"  # the model sees it, and may call again
+        v = "error"  # the model sees it, may call again
     return f"<result>{v}</result>"
 
 
@@ -125,8 +123,8 @@ def grade_calculator(text, answer):  # the number stated after the last result
 
 
 def reasoning_gym(name, seed, n_eval, n=5000):
-    """Problem k comes from seed + k: train, held-out and the worked example (without one a small
-    model ignores the system prompt's <answer> tags) take disjoint seeds."""
+    """Problem k comes from seed + k: train, held-out and the worked example (a small model
+    ignores the <answer> tags without one) take disjoint seeds."""
     try:
         import reasoning_gym as rg
     except ImportError:
@@ -155,13 +153,13 @@ def grade_rg(name, text, entry):  # its own scorer, on the last <answer> tags
 
 
 def load_task(cfg):
-    """stop: the text that ends a model turn calling the tool (vLLM stops there; turn runs)."""
+    """stop: the text ending a model turn that calls the tool (vLLM stops; turn runs)."""
     turn = stop = None
     if cfg["task"] == "arithmetic":
         (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
     elif cfg["task"] == "gsm8k":
         (train, test), grade = gsm8k(cfg["data_path"], cfg["seed"], cfg["eval_n"]), grade_math
-    elif cfg["task"] == "calculator":  # max_turns=1: the same questions, no calculator
+    elif cfg["task"] == "calculator":  # max_turns=1: no calculator
         tool = cfg["max_turns"] > 1
         (train, test), grade = calculator(cfg["seed"], cfg["eval_n"], tool), grade_calculator
         turn, stop = (calculator_turn, CALL[1]) if tool else (None, None)
@@ -197,7 +195,7 @@ def grade_math(text, answer):
         gold, math_verify.parse(text, parsing_timeout=None), timeout_seconds=None))
 
 
-def safely(fn, text, answer):  # -> (result, failed): a grade's float, a tool's text, None
+def safely(fn, text, answer):  # -> (a grade's float, a tool's text or None; failed)
     try:
         out = fn(text, answer)
         if isinstance(out, str) and len(out) > 10_000:  # a tool's words: more would never fit
@@ -211,38 +209,38 @@ def is_flat(group):  # all rewards equal: no signal for GRPO
     return len({c["reward"] for c in group["completions"]}) == 1
 
 
-def die_with_parent():  # an engine or grader ends with its parent, not by a signal
+def die_with_parent():  # ends with its parent, not by signals
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the whole process group
         signal.signal(sig, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _work_forever(conn):  # a worker process: [(fn, text, answer)] in, (result, failed) out
+def _work_forever(conn):  # [(fn, text, answer)] in, (result, failed) out
     die_with_parent()
     while True:
         try:
             jobs = conn.recv()
         except EOFError:  # the engine is gone
             return
-        for job in jobs:  # a reply per answer: the engine times each
+        for job in jobs:  # a reply each: the engine times each
             conn.send(safely(*job))
 
 
 class Workers:
-    """Processes for grades and tools: submit() queues fn(text, answer), fn a module's function;
-    poll() sends each idle worker its share of the queue -> [(key, result, failed)] done since."""
+    """Processes for grades and tools: submit() queues fn(text, answer), fn a module's; poll()
+    gives each idle worker its share of the queue -> [(key, result, failed)] done since."""
 
     def __init__(self, workers=2, timeout_s=5.0):
         self.timeout_s = timeout_s
         self.ctx = multiprocessing.get_context("spawn")  # the engine has threads: no fork
-        self.queue = deque()  # (key, fn, text, answer) not sent yet
+        self.queue = deque()  # (key, fn, text, answer), not sent
         self.pool = [self.start() for _ in range(workers)]
 
     def start(self):
         conn, theirs = self.ctx.Pipe()
         proc = self.ctx.Process(target=_work_forever, args=(theirs,), daemon=True)
         proc.start()
-        # jobs: sent, not done; since: when the first reached the worker
+        # jobs: sent, not done; since: when the first reached it
         return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}
 
     @property
@@ -264,7 +262,7 @@ class Workers:
                 while w["jobs"] and w["conn"].poll():
                     done.append((w["jobs"].popleft()[0], *w["conn"].recv()))
                     w["since"] = now
-            except (EOFError, OSError):  # it died: the call it was on fails, like a stuck one
+            except (EOFError, OSError):  # it died: its call fails, as a stuck one
                 w["since"] = -self.timeout_s
             if w["jobs"] and now - w["since"] > self.timeout_s:
                 w["proc"].kill()

@@ -1,10 +1,7 @@
-"""rollout.py: one process per vLLM engine, stepped by hand, never waiting for the trainer. Between
-steps it loads the weights announced (requests in flight go on), starts groups (budget.py), hands
-finished turns to workers (reward.py) and sends graded groups to rank 0. A turn the tool answers
-goes on as a new request over the dialogue. Simplifications: the engine core runs in this process
-(on a GPU, async scheduling keeps it busy); a group is n=1 requests sharing their prompt's KV
-cache; no top-k/top-p (the logprobs would be of a truncated distribution); no speculative decoding.
-"""
+"""rollout.py: a process per vLLM engine, stepped by hand, never waiting for the trainer. Between
+steps it loads the weights announced, starts groups (budget.py), hands turns to workers
+(reward.py) and sends graded groups to rank 0. Simplifications: the engine core in this process;
+a group: n=1 requests sharing their prompt's KV cache; no top-k/top-p, no speculative decoding."""
 import json
 import os
 import queue
@@ -24,7 +21,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
-# an engine's counts, in every message (the pause: its last load's)
+# an engine's counts, in each message (the pause: its last load's)
 COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "
             "rollout_load_s rollout_pause_s rollout_grade_s rollout_steps rollout_running "
             "rollout_started").split()
@@ -38,9 +35,9 @@ def completion():  # an answer, built turn by turn
             "logprobs": [],  # of the distribution sampled (the tool's: 0)
             "versions": [],  # the policy version that computed each
             "mask": [],  # 1: the model's, trained; 0: the tool's
-            "text": "",  # the tool's words included
+            "text": "",  # the tool's words too
             "turns": 0,  # model turns: tool calls + 1
-            "cut": False}  # hit max_new_tokens; then "reward", its grade
+            "cut": False}  # hit max_new_tokens; then "reward"
 
 
 def extend(c, ids, logprobs, versions, model):
@@ -61,7 +58,7 @@ def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
     return set(range(int(lo), int(hi or lo) + 1)) if spec else set()
 
 
-def format_prompt(tok, prompt):  # a user's text, or chat messages -> token ids
+def format_prompt(tok, prompt):  # a text, or chat messages -> token ids
     chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not tok.chat_template:
         return tok.encode("\n".join(m["content"] for m in chat))
@@ -73,9 +70,8 @@ def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
     from vllm import LLM
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
-    # room (and CUDA graphs) for the training sequences and engine 0's evals
-    seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)
-    # the trainer's fp32 output layer; prefix caching shares whole blocks only (CPU's 128: none)
+    seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)  # engine 0's evals too
+    # fp32 output layer, as the trainer's; prefix caching shares whole blocks (CPU's 128: none)
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"] + e,
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
                gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
@@ -86,8 +82,7 @@ def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
 
 
 def stop_settings(tok, stop):
-    """How vLLM ends a turn calling the tool: a one-token stop by the ids of all tokens ending
-    in it (no detokenizing: the results log measured it), another by its text."""
+    """A tool call ends a turn: one token by the ids ending in it (no detokenizing), or text."""
     if not stop:
         return dict(detokenize=False)
     if len(tok.encode(stop, add_special_tokens=False)) == 1:
@@ -102,13 +97,13 @@ class Rollout:
         self.start_engine()
         self.load_prompts()
         self.connect()
-        self.groups = {}  # open groups by id: g{pos}, or eval{version}
-        self.spans = {}  # request id -> [(version, its first token)]
+        self.groups = {}  # open groups: g{pos}, eval{version}
+        self.spans = {}  # request id -> [(version, first token)]
         self.pending = None  # a version announced, not loaded yet
-        self.holding = 0  # slots our training sequences hold, in vLLM or a tool call
-        self.in_vllm = 0  # of those, in vLLM now
+        self.holding = 0  # slots our training sequences hold (in vLLM or a tool)
+        self.in_vllm = 0  # of them in vLLM
         self.perm = {}  # epoch -> the order of its prompts
-        self.idle = ""  # our mark in the store (mark_idle)
+        self.idle = ""  # our mark in the store
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["skipped_long"] = self.skipped if e == 0 else 0
         self.budget = budget.Budget(self.store, cfg, e, self.v0)
@@ -120,7 +115,7 @@ class Rollout:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.llm = make_llm(self.cfg, "cuda" if torch.cuda.is_available() else "cpu", self.e)
         self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
-        # steps launched, not yet returned by step(): 1 with async scheduling
+        # steps launched, not returned by step(): 1 with async scheduling
         self.lag = self.engine.vllm_config.max_concurrent_batches - 1
         self.task = reward.load_task(self.cfg)
         self.workers = reward.Workers(self.cfg["grader_workers"], self.cfg["reward_timeout_s"])
@@ -130,7 +125,7 @@ class Rollout:
             temperature=0.0 if greedy else self.cfg["temperature"], max_tokens=room, n=1,
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY, **ends)
 
-    def load_prompts(self):  # one leaving no room for an answer is skipped
+    def load_prompts(self):  # one leaving no room to answer is skipped
         room = self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
         for p in self.task["train"] + self.task["eval"]:
             p["ids"] = list(format_prompt(self.tok, p["prompt"]))
@@ -151,16 +146,16 @@ class Rollout:
         start = json.loads(self.store.get("start"))
         self.v0 = self.version = start["version"]
         self.done, self.first = set(start["done"]), start["next"]  # the stream, resumed
-        self.store.wait([f"joined{f}" for f in range(cfg["engines"])])  # fair shares from here
+        self.store.wait([f"joined{f}" for f in range(cfg["engines"])])  # a fair start
 
     def run(self):
         if self.v0 > 0:  # resumed: the checkpointed weights first
             while self.pending is None:
                 self.poll_trainer()
             self.load()
-        if f"eval{self.version}" not in self.groups:  # the first eval, unless load() ran it
+        if f"eval{self.version}" not in self.groups:  # unless load() ran it
             self.evaluate(first=True)
-        while self.poll_trainer():  # a dead trainer kills us (reward.die_with_parent)
+        while self.poll_trainer():  # a dead trainer kills us (die_with_parent)
             self.heartbeat.moved()
             if self.pending is not None:  # never waits for an eval
                 self.load()
@@ -178,7 +173,7 @@ class Rollout:
         self.send({"kind": "bye"})
 
     # ---- the trainer's side: versions, loads, evals ----
-    def receive(self):  # thread: versions announced, into the inbox
+    def receive(self):  # a thread: versions announced, into the inbox
         try:
             while (v := sync.broadcast_version(self.ctl)) >= 0:
                 self.inbox.put(v)
@@ -186,7 +181,7 @@ class Rollout:
         except Exception as e:
             self.inbox.put(e)
 
-    def poll_trainer(self):  # takes what the trainer announced; False: stop
+    def poll_trainer(self):  # False: stop
         block = not self.engine.has_unfinished_requests()
         if block and self.workers.busy:
             self.workers.wait(0.05)  # wakes at the first result
@@ -204,10 +199,9 @@ class Rollout:
             block = False
 
     def load(self):
-        """Every worker copies in what it received while we generated (sync.load): a request's
-        tokens from here on are the new weights', but for `lag` steps launched before."""
+        """Workers copy in the weights received (sync.load); tokens `lag` steps on are theirs."""
         t0 = time.perf_counter()
-        self.version = self.llm.collective_rpc(sync.load)[0]  # the oldest push received
+        self.version = self.llm.collective_rpc(sync.load)[0]
         self.pending = None if self.version == self.pending else self.pending
         for r in self.engine.output_processor.request_states.values():
             first = r.detokenizer.num_output_tokens() + self.lag
@@ -221,7 +215,7 @@ class Rollout:
         if self.e == 0 and every and (first or v % every == 0 or v == self.cfg["max_steps"]):
             self.open(f"eval{v}", self.eval_set, greedy=True, version=v)
 
-    def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait for, if idle
+    def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait for
         busy = self.groups or self.pending is not None  # admit() ran just before
         mark = "" if busy else str(self.version)
         if mark != self.idle:
@@ -230,18 +224,17 @@ class Rollout:
 
     # ---- a group's life: admitted, stepped, graded, sent ----
     def admit(self):
-        """New groups, as the budget allows; the stream's position k (shared by all engines)
-        is problem perm[k mod N], seeded."""
+        """New groups as the budget allows: stream position k is problem perm[k mod N]."""
         n_new = self.budget.take(self.version, self.holding)
         N = len(self.train_set)
         positions = []
-        while len(positions) < n_new:  # skip those trained before the checkpoint
+        while len(positions) < n_new:  # not those trained before a checkpoint
             n = n_new - len(positions)
             end = self.first + self.store.add("pos", n)
             positions += [k for k in range(end - n, end) if k not in self.done]
         for k in positions:
             epoch, i = divmod(k, N)
-            if epoch not in self.perm:  # the epoch's order, the same in every engine
+            if epoch not in self.perm:  # the same in every engine
                 rng = random.Random(f"{self.cfg['seed']}/{epoch}")
                 self.perm = {epoch: rng.sample(range(N), N)}
             problem = self.train_set[self.perm[epoch][i]]
@@ -255,7 +248,7 @@ class Rollout:
         for i, p in enumerate(problems):
             self.add(gid, i, p["ids"], params)
 
-    def add(self, gid, i, ids, params):  # the salt: no prefix-cache hit on older weights' KV
+    def add(self, gid, i, ids, params):  # the salt: no prefix-cache hit on older weights
         rid = f"{gid}/{i}/{self.groups[gid]['comps'][i]['turns']}"  # group/completion/turn
         prompt = {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"}
         self.engine.add_request(rid, prompt, params)
@@ -288,12 +281,12 @@ class Rollout:
     def grades(self):
         for (gid, i, fn), result, failed in self.workers.poll():
             g = self.groups[gid]
-            if fn == "turn":  # the tool's words; None: final; a failure ends the answer
+            if fn == "turn":  # the tool's words; None: final; a failure ends it
                 self.counters["tool_failures"] += failed
                 if not (isinstance(result, str) and self.go_on(gid, i, result)):
                     self.submit(gid, i, "grade")
                 continue
-            ok = isinstance(result, float)  # else it failed
+            ok = isinstance(result, float)
             self.counters["reward_failed"] += not ok
             g["comps"][i]["reward"] = result if ok else 0.0
             g["left"] -= 1
@@ -301,8 +294,7 @@ class Rollout:
                 self.finish_group(self.groups.pop(gid))
 
     def go_on(self, gid, i, words):
-        """The tool's tokens, then the next turn: a request over the whole dialogue (prefix
-        caching keeps it cheap). -> False if no room is left: cut."""
+        """The tool's tokens, then a request over the dialogue (prefix-cached); False: cut."""
         g = self.groups[gid]
         c = g["comps"][i]
         env = self.tok.encode(words, add_special_tokens=False)
@@ -315,24 +307,24 @@ class Rollout:
         self.add(gid, i, g["problems"][i]["ids"] + c["ids"], self.params(g["eval"], room))
         return True
 
-    def finish_group(self, g):  # an eval's accuracy, or a group for the trainer
+    def finish_group(self, g):  # an eval's accuracy, or a group to train
         versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
-        if g["eval"]:  # its tokens' weights span these versions
+        if g["eval"]:  # its tokens span these versions
             n = len(g["comps"])
             return self.send({"kind": "eval", "version": g["version"], "eval_n": n,
                               "eval_accuracy": sum(c["reward"] == 1 for c in g["comps"]) / n,
                               "eval_versions": [min(versions), max(versions)]})
         problem = g["problems"][0]
-        msg = {"kind": "group",  # ("eval" and "bye" are the other messages)
+        msg = {"kind": "group",  # (or "eval", "bye")
                "pos": g["pos"],  # its prompt's place in the shared stream: its id
-               "prompt": problem["prompt"],  # as the task gave it: text, or chat messages
+               "prompt": problem["prompt"],  # as the task gave it
                "prompt_ids": problem["ids"],  # chat template applied
                "completions": g["comps"],  # group_size of completion()
-               "version_min": min(versions)}  # its staleness when trained; send() adds the rest
-        if self.cfg["drop_flat"] and reward.is_flat(msg):  # the trainer skips it: replace it
+               "version_min": min(versions)}  # its staleness when trained
+        if self.cfg["drop_flat"] and reward.is_flat(msg):  # skipped: start another
             self.budget.give_back()
         self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in g["comps"])  # generated
-        for c in g["comps"]:  # arrays: rank 0 unpickles 4 objects, not 4 a token
+        for c in g["comps"]:  # rank 0 unpickles 4 arrays, not 4 objects a token
             c.update({key: np.array(c[key], dtype) for key, dtype in TOKENS.items()})
         self.mark_idle()  # before the trainer sees this group
         self.send(msg)
@@ -354,5 +346,5 @@ if __name__ == "__main__":
         os._exit(2)
     except Exception:
         traceback.print_exc()
-        os._exit(1)  # at once: vLLM's threads can hold a normal exit
+        os._exit(1)  # at once: vLLM's threads can hold up an exit
     os._exit(0)

@@ -1,9 +1,7 @@
-"""sync.py: the wires between trainer and engines, set up through a TCPStore on rank 0 (which
-holds the heartbeats too). Each engine has its own groups: ctl (versions), traj (its groups), the
-weights' (Sender). Its workers receive the weights into a copy while it generates: it pauses
-only to load it. Paused (stage_weights=False, or TP on GPUs), it loads each bucket as it comes.
-Simplifications: a fixed weight layout; one staging copy.
-"""
+"""sync.py: the wires between trainer and engines, through a TCPStore on rank 0 (the heartbeats'
+too). Each engine has its own groups: ctl (versions), traj (its groups), the weights' (Sender);
+it receives weights into a copy as it generates and pauses only to load it (stage_weights=False,
+or TP on GPUs: paused, a bucket at a time). Simplifications: a fixed layout; one staging copy."""
 import itertools
 import math
 import os
@@ -17,13 +15,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-FOREVER = 7 * 86400  # steps and quiet engines take long: heartbeats end it
+FOREVER = 7 * 86400  # long steps, quiet engines: heartbeats end it
 BEAT_S = 1
 DEAD_S = 10  # a peer silent this long is dead
-BUCKET = 2**27  # bytes a broadcast moves at most, see plan()
+BUCKET = 2**27  # bytes a broadcast moves at most
 
 
-def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine
+def open_store(host, port, master, timeout_s):  # on rank 0's machine
     try:
         return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout_s))
@@ -33,15 +31,13 @@ def open_store(host, port, master, timeout_s):  # on trainer rank 0's machine
 
 
 class Heartbeat:
-    """A thread: each BEAT_S, `key` in rank 0's store gets a new count and the seconds since our
-    loop last moved(). A peer ({key: name}) whose count stops or loop is still for loop_s, or a
-    lost store, ends this process at once (its main thread may wait in a collective with the
-    dead peer). stop() ends cleanly; "bye" tells the watchers."""
+    """A thread: each BEAT_S, `key` in the store gets a count and how long our loop has not moved().
+    A peer ({key: name}) silent, or still for loop_s, or a lost store, ends us; stop() says bye."""
 
     def __init__(self, host, port, key, peers=(), first_s=DEAD_S, loop_s=FOREVER,
                  every=lambda store: None):
         self.key, self.peers, self.loop_s = key, dict(peers), loop_s
-        self.every = every  # a node's leader reports its engines' exits each beat
+        self.every = every  # a node leader's report of its engines' exits
         self.last_move = None  # None: we vouch for no loop
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, args=(host, port, first_s), daemon=True)
@@ -67,14 +63,14 @@ class Heartbeat:
                 for (key, name), beat in zip(self.peers.items(), store.multi_get([*self.peers])):
                     if beat not in (b"", b"bye"):  # begun (rank 0 set all empty), not ended
                         quiet[name] = self.check(key, name, *beat.decode().split(), seen)
-                if max(quiet.values(), default=0) > DEAD_S:  # it and any silent with it (a node)
+                if max(quiet.values(), default=0) > DEAD_S:  # it, and any silent with it
                     self.fail(*(f"{name} sent no heartbeat for {DEAD_S} s: it died, its node is "
                                 "lost, or it hangs; its node's log says which"
                                 for name, s in quiet.items() if s > DEAD_S / 2))
                 if self.stopped.wait(BEAT_S):
                     return store.set(self.key, "bye")
         except Exception as e:
-            if not self.stopped.is_set():  # a clean end closes the store: no error
+            if not self.stopped.is_set():  # a clean end closes the store
                 self.fail(f"trainer rank 0's store on {host}:{port} is gone ({e})")
 
     def check(self, key, name, n, idle, seen):  # -> seconds since its count changed
@@ -88,7 +84,7 @@ class Heartbeat:
     def fail(self, *whys):
         for why in whys:
             print(f"error: {self.key}: {why}", file=sys.stderr, flush=True)
-        os._exit(1)  # now: a collective would wait on the dead peer till it times out
+        os._exit(1)  # now: a collective would wait on the dead peer
 
 
 def gloo(store, name, rank, size, timeout_s):
@@ -96,9 +92,8 @@ def gloo(store, name, rank, size, timeout_s):
         dist.PrefixStore(name, store), rank, size, timedelta(seconds=timeout_s))
 
 
-def connect(store, rank, engines, timeout_s):  # rank 0: the trainer; rank 1 + e: engine e
-    """-> the trainer: [ctl], [traj], one of each an engine; engine e: its own two."""
-    if rank == 0:  # engines may be quiet for long: heartbeats tell
+def connect(store, rank, engines, timeout_s):  # rank 0 -> [ctl], [traj]; 1 + e -> engine e's
+    if rank == 0:  # engines may be quiet long: heartbeats tell
         return ([gloo(store, f"ctl{e}", 0, 2, timeout_s) for e in range(engines)],
                 [gloo(store, f"traj{e}", 0, 2, FOREVER) for e in range(engines)])
     e = rank - 1
@@ -119,7 +114,7 @@ def recv_obj(pg, src):
     return pickle.loads(data.numpy().tobytes())
 
 
-def broadcast_version(pg, version=0):  # ctl: every member gets rank 0's version (-1: stop)
+def broadcast_version(pg, version=0):  # ctl: rank 0's version to the engine (-1: stop)
     v = torch.tensor([version])
     pg.broadcast(v, 0).wait()
     return int(v)
@@ -133,8 +128,7 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
 
 
 def plan(meta, dtype):
-    """[(name, shape)] -> buckets [(offset, numel, [(name, shape)])] of consecutive weights in
-    one flat copy, at most BUCKET bytes each (a larger weight alone)."""
+    """[(name, shape)] -> buckets [(offset, numel, [(name, shape)])] of <= BUCKET bytes."""
     buckets, offset = [], 0
     for name, shape in meta:
         n = math.prod(shape)
@@ -151,7 +145,7 @@ def weights_in(flat, weights):  # a bucket's flat tensor -> [(name, view)]
     return [(name, part.view(shape)) for (name, shape), part in zip(weights, flat.split(sizes))]
 
 
-def staging(plan, cfg, device):  # a flat copy of the weights (colocated CPUs: /dev/shm)
+def staging(plan, cfg, device):  # a flat copy (colocated CPUs: /dev/shm)
     size, dtype = sum(n for _, n, _ in plan), getattr(torch, cfg["rollout_dtype"])
     if cfg["colocate"] and device.type == "cpu":
         path = f"/dev/shm/nanoasync-{cfg['rollout_port']}"  # unlinked once all mapped
@@ -165,15 +159,15 @@ def staged(cfg):  # engines receive into a copy as they generate
 
 
 def weight_groups(store, e, rank, world, device, colocate, timeout_s):
-    """Engine e's -> (wake, gloo: a push begins; the weights' group: NCCL on GPU, else gloo)."""
+    """Engine e's -> (wake: a push begins; the weights': NCCL on GPU, else gloo)."""
     wake = gloo(store, f"wake{e}", rank, world, timeout_s if rank == 0 else FOREVER)
-    # NCCL refuses two ranks on one GPU: shared for a check, gloo carries CUDA tensors
+    # NCCL refuses two ranks on one GPU: for a check, gloo carries CUDA tensors
     if device.type == "cuda" and not colocate and os.environ.get("NANOASYNC_SHARE_GPU") != "1":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
-        opts.config.max_ctas = 4  # a waiting receive holds its SMs: few beside vLLM
+        opts.config.max_ctas = 4  # a waiting receive holds its SMs: few
         pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"weights{e}", store), rank, world, opts)
-        pg.eager_connect_single_device(device)  # connect now, not in the first push
+        pg.eager_connect_single_device(device)  # now, not in the first push
         return wake, pg
     pg = gloo(store, f"weights{e}", rank, world, timeout_s)
     if colocate:
@@ -188,16 +182,17 @@ def barrier(pg, device):
 
 
 class Sender:
-    """Trainer rank 0's end of the weights. Colocated, push() writes the engines' copy itself.
-    Else it fills a new snapshot and returns; a thread per engine sends it the newest whenever
-    the engine is ready, skipping those it missed (one broadcast to all waited for the slowest).
-    Rank 0's device holds the newest, and any an engine's thread is still sending."""
+    """Rank 0's end of the weights. Colocated, push() writes the engines' copy. Else it fills a
+    snapshot; a thread per engine sends the newest when its engine is ready (one broadcast to
+    all waited for the slowest). Rank 0 holds the newest, and any a thread still sends."""
 
     def __init__(self, store, plan, cfg, device, ctls):
-        self.plan, self.device, self.ctls = plan, device, ctls
+        self.plan = plan
+        self.cfg = cfg
+        self.device = device
+        self.ctls = ctls
         self.colocate = cfg["colocate"]
-        self.paused = not (self.colocate or staged(cfg))  # then an engine is told first
-        self.dtype = getattr(torch, cfg["rollout_dtype"])
+        self.paused = not (self.colocate or staged(cfg))  # then engines are told first
         if self.colocate:  # the workers' staging copy
             self.copy = staging(plan, cfg, device)
             if device.type == "cuda":
@@ -210,14 +205,14 @@ class Sender:
         if self.colocate and device.type == "cpu":  # all mapped: none left after a kill -9
             os.unlink(self.copy.untyped_storage().filename)
         self.cond = threading.Condition()
-        self.latest = None  # (version, snapshot) for the threads; (-1, None): stop
+        self.latest = None  # (version, snapshot); (-1, None): stop
         self.error = None  # a thread's, raised by the next push
         self.threads = [threading.Thread(target=self.send, args=(e,), daemon=True)
                         for e in range(0 if self.colocate else len(ctls))]
         for t in self.threads:
             t.start()
 
-    def send(self, e):  # a thread: engine e's pushes, the newest whenever it is ready
+    def send(self, e):  # a thread: engine e's pushes
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # a new thread starts on GPU 0
         wake, pg = self.links[e]
@@ -232,7 +227,7 @@ class Sender:
                 if self.paused:  # it receives as it loads
                     broadcast_version(self.ctls[e], version)
                 finish(wake.allreduce([torch.tensor([version])]))  # it has loaded the last
-                # NCCL's stream waits for the fill, queued before on this device's current one
+                # NCCL's stream waits for the fill, queued before
                 for w in [pg.broadcast(snapshot[o:o + n], 0) for o, n, _ in self.plan]:
                     finish(w)
                 if not self.paused:  # it received as it generated: now it loads
@@ -246,20 +241,20 @@ class Sender:
             self.latest = latest
             self.cond.notify_all()
 
-    def stop(self, timeout_s):  # every engine is told -1, after its push in flight
+    def stop(self, timeout_s):  # -1 to every engine, after its push in flight
         for ctl in self.ctls if self.colocate else ():
             broadcast_version(ctl, -1)
         self.publish((-1, None))
         for t in self.threads:
             t.join(timeout_s)
 
-    def close(self):  # NCCL's communicators shut down, not left to hang
+    def close(self):  # NCCL's communicators shut down, not hanging
         for _, pg in self.links:
             if type(pg).__name__ == "ProcessGroupNCCL":
                 pg.shutdown()
 
 
-def fill(flat, plan, tensors):  # (name, tensor) in plan order -> into a flat copy, cast
+def fill(flat, plan, tensors):  # (name, tensor) in plan order -> cast into flat
     for offset, n, weights in plan:
         for (name, part), (got, t) in zip(weights_in(flat[offset:offset + n], weights), tensors):
             assert got == name, f"weight order changed: expected {name}, got {got}"
@@ -271,9 +266,8 @@ def push(sender, tensors, version, check_alive=lambda: None):
     if sender.error:
         raise RuntimeError(sender.error)
     if not sender.colocate:
-        sender.publish(None)  # a thread not yet on the last takes this one
-        snapshot = torch.empty(sum(n for _, n, _ in sender.plan), dtype=sender.dtype,
-                               device=sender.device)
+        sender.publish(None)  # threads not yet on the last take this one
+        snapshot = staging(sender.plan, sender.cfg, sender.device)
         fill(snapshot, sender.plan, tensors)
         return sender.publish((version, snapshot))
     for wake, _ in sender.links:  # colocated: once every engine has loaded the last
@@ -285,7 +279,7 @@ def push(sender, tensors, version, check_alive=lambda: None):
         broadcast_version(ctl, version)
 
 
-def join(worker, cfg, e):  # in each vLLM worker of engine e (collective_rpc)
+def join(worker, cfg, e):  # in each vLLM worker of engine e
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
@@ -304,44 +298,43 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e (collective_rpc)
         copy=copy, plan=plan, device=device, groups=groups, colocate=cfg["colocate"],
         dtype=getattr(torch, cfg["rollout_dtype"]), timeout_s=cfg["timeout_s"],
         staged=queue.Queue(),  # versions from stage() (or an error)
-        loaded=threading.Event())  # load() copied the last in: receive the next
+        loaded=threading.Event())  # load() copied the last: receive the next
     if copy is not None:
         threading.Thread(target=stage, args=(s,), daemon=True).start()
 
 
 def receive(s):
-    """One push into the copy -> its version; paused -> (version, a generator of the weights
-    that receives each bucket as copy_in() reaches it)."""
+    """A push into the copy -> its version; paused -> (version, a generator of its buckets)."""
     if s["device"].type == "cuda":
         torch.cuda.set_device(s["device"])  # a new thread starts on GPU 0
     wake, pg = s["groups"]
     version = torch.zeros(1, dtype=torch.int64)
-    wake.allreduce([version]).wait()  # a push begins: rank 0's version, 0 from us
+    wake.allreduce([version]).wait()  # rank 0's version
     if s["colocate"]:
         barrier(pg, s["device"])  # the trainer wrote it
         return int(version)
     if s["copy"] is None:
         return int(version), received(s)
     stream = torch.cuda.Stream(s["device"]) if s["device"].type == "cuda" else None
-    with torch.cuda.stream(stream):  # one that no vLLM kernel waits on (CPU: a no-op)
+    with torch.cuda.stream(stream):  # one no vLLM kernel waits on
         works = [pg.broadcast(s["copy"][offset:offset + n], 0) for offset, n, _ in s["plan"]]
     for w in works:
         finish(w)
     return int(version)
 
 
-def received(s):  # paused: each bucket its own tensor (vLLM may keep views)
+def received(s):  # paused: a tensor a bucket (vLLM may keep views)
     for _, n, weights in s["plan"]:
         flat = torch.empty(n, dtype=s["dtype"], device=s["device"])
         s["groups"][1].broadcast(flat, 0).wait()  # on a GPU the stream waits, not the host
         yield from weights_in(flat, weights)
 
 
-def stage(s):  # a thread in each worker: pushes into the copy beside vLLM's steps
+def stage(s):  # a thread in each worker: pushes into the copy
     try:
         while True:
             s["staged"].put(receive(s))
-            s["loaded"].wait()  # load() copied it: the next push may overwrite it
+            s["loaded"].wait()  # load() copied it: the next may overwrite it
             s["loaded"].clear()
     except Exception as e:  # load() raises it
         s["staged"].put(e)
@@ -364,7 +357,7 @@ def load(worker):  # in each vLLM worker, the engine paused -> the version
                    for w in weights_in(s["copy"][offset:offset + n], ws))
     copy_in(worker, weights)
     if cuda:
-        torch.cuda.synchronize()  # every stream sees the new weights
+        torch.cuda.synchronize()  # all streams see the new weights
     s["loaded"].set()
     return version
 

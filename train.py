@@ -1,10 +1,8 @@
-"""train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`
-(`python train.py ...`: one rank). Trainer ranks shard the policy with FSDP2; vLLM engines
-(fleet.py, rollout.py) generate all the time. Step k takes a batch (buffer.py), trains version k
-on it (loss.py), sends the new weights to the engines (sync.py) and logs (metrics.py).
+"""train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`.
+Trainer ranks shard the policy (FSDP2); vLLM engines generate all the time (fleet.py). Step k
+takes a batch (buffer.py), trains version k on it (loss.py), sends the weights (sync.py), logs.
 Simplifications: one optimizer step a batch; constant-lr AdamW; no KL penalty or reference
-model (beta = 0, as in DAPO); rank 0 alone talks to the engines.
-"""
+model (beta = 0, as in DAPO); rank 0 alone talks to the engines."""
 import json
 import os
 import signal
@@ -26,50 +24,50 @@ import metrics
 import sync
 from fleet import Fleet, kill, place, spawn, watch
 
-# ---- the config: config/*.py, then --key=value, override these defaults ----
-model = "data/tiny"  # a Hugging Face model folder or hub id
+# ---- config/*.py, then --key=value, override these defaults ----
+model = "data/tiny"  # a Hugging Face folder or hub id
 task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME (reasoning-gym)
 data_path = ""  # gsm8k: a jsonl of {"question", "answer"}, or a hub id
 out_dir = "out"
-tracker = ""  # "wandb" | "trackio": logs the config and metrics
+tracker = ""  # "wandb" | "trackio"
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
 batch_groups = 8  # prompt groups per step, over all ranks
 group_size = 8  # completions per prompt
-max_new_tokens = 64  # per completion, tool results included
-max_turns = 4  # model turns per completion (calculator; 1 = no tool)
+max_new_tokens = 64  # per completion, tool results too
+max_turns = 4  # model turns per completion (1 = no tool)
 temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
 grad_clip = 1.0
-micro_batch_tokens = 4096  # packed tokens per micro-batch (a larger group goes alone)
+micro_batch_tokens = 4096  # packed tokens a micro-batch (a larger group alone)
 activation_checkpointing = False  # recompute layers in the backward pass
-compile_layers = True  # GPU, bf16/fp16: torch.compile each layer (in step 0)
-max_staleness = 1  # eta: the most versions old a trained token may be; 0 = synchronous
+compile_layers = True  # GPU, bf16/fp16: torch.compile each layer in step 0
+max_staleness = 1  # eta: the most versions a trained token may be old; 0 = synchronous
 drop_flat = True  # skip groups whose rewards are all equal (no signal)
 eval_every = 5  # versions between greedy held-out evals (also first, last); 0 = off
 eval_n = 100  # held-out problems, never trained on
-rollout_engines = 1  # vLLM engines per node, each on tensor_parallel_size GPUs
+rollout_engines = 1  # vLLM engines a node, each on tensor_parallel_size GPUs
 tensor_parallel_size = 1
-colocate = False  # trainer and vLLM share one GPU; weights go by shared memory
-stage_weights = True  # receive weights into a copy while generating; False: paused, no copy
+colocate = False  # trainer and vLLM share one GPU, weights by shared memory
+stage_weights = True  # receive weights into a copy as vLLM generates; False: paused
 rollout_seqs = 256  # most sequences one engine generates at once
 rollout_dtype = "float32"  # vLLM's weights and compute (its output layer: float32)
-trainer_dtype = "float32"  # FSDP2 compute; master weights, gradient reduction: float32
-rollout_cpus = ""  # CPU: vLLM's cores, "1" or "2-3"; trainer ranks get the rest
-borrow_cpus = True  # CPU, one rank: use vLLM's cores too while every engine waits
+trainer_dtype = "float32"  # FSDP2 compute (master weights: float32)
+rollout_cpus = ""  # CPU: vLLM's cores, "1" or "2-3"; the trainer's: the rest
+borrow_cpus = True  # CPU, one rank: vLLM's cores too while every engine waits
 max_model_len = 512
 kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
 enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
-rollout_port = 29600  # the trainer-engine store, on rank 0's machine
-timeout_s = 120  # a peer silent this long is dead: the run exits, not hangs
-start_timeout_s = 900  # engine start (a cold GPU start compiles, captures CUDA graphs)
-stall_s = 600  # this long with nothing usable (none, flat, stale) stops the run
-reward_timeout_s = 5.0  # a longer grade is killed and scores 0 (reward_failed)
+rollout_port = 29600  # the trainer-engine store, on rank 0
+timeout_s = 120  # a peer silent this long is dead: exit, not hang
+start_timeout_s = 900  # engine start (on a GPU: compiling, CUDA graphs)
+stall_s = 600  # this long with nothing usable (flat, stale): stop
+reward_timeout_s = 5.0  # a longer grade is killed, scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
-ckpt_every = 0  # {out_dir}/ckpt.pt every this many steps, at the end, on a signal
+ckpt_every = 0  # {out_dir}/ckpt.pt every this many steps, at the end, on signals
 resume = False  # continue exactly from {out_dir}/ckpt.pt
-# -----------------------------------------------------------------------------
+# ------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
 torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
@@ -83,9 +81,9 @@ node = int(os.environ["GROUP_RANK"])
 nodes = int(os.environ["GROUP_WORLD_SIZE"])
 master = rank == 0
 config = configurator.check(config, world)
-model = config["model"]  # a hub id is now a folder in the cache
+model = config["model"]  # a hub id is now a folder
 
-# ---- placement: a node's trainer ranks take its first GPUs, its engines the next ----
+# ---- placement: a node's ranks take its first GPUs, its engines the next ----
 cuda = torch.cuda.is_available()
 if not cuda and torch.version.cuda:
     configurator.die(f"torch {torch.__version__} sees no GPU: CUDA 13 needs NVIDIA driver >= 580 "
@@ -95,8 +93,7 @@ engine_gpus, borrow = place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
 threads = torch.get_num_threads()  # CPU: our cores (place)
-# ranks 1.. wait for a batch as long as rank 0 (up to stall_s), not timeout_s
-batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))
+batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))  # as rank 0 waits, stall_s
 
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
@@ -112,9 +109,8 @@ def full_weights(dtype=getattr(torch, trainer_dtype)):
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
-# each weight's bucket, and its place in the engines' staging copy
-plan = sync.plan([(name, p.shape) for name, p in policy.named_parameters()],
-                 getattr(torch, rollout_dtype))
+plan = sync.plan(  # each weight's bucket and place in the flat copies (sync.py)
+    [(name, p.shape) for name, p in policy.named_parameters()], getattr(torch, rollout_dtype))
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 
 
@@ -130,7 +126,7 @@ def save_checkpoint(version):
 
 
 ckpt = torch.load(ckpt_path, weights_only=True) if resume and master else {}
-if resume:  # rank 0 read the file; the others' shards come by broadcast
+if resume:  # rank 0 read it; the others' shards come by broadcast
     set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model", {}),
                    optim_state_dict=ckpt.pop("optim", {}), options=full_state)
 start_version = [ckpt.get("version", 0)]
@@ -140,7 +136,7 @@ stop_signal = []  # Ctrl-C / SIGTERM: stop at the next step boundary
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
-# ---- each node's first rank starts its engines; every process watches the others ----
+# ---- each node's first rank starts its engines; all watch each other ----
 engines = []  # this rank's, if it leads another node
 if master:
     os.makedirs(out_dir, exist_ok=True)
@@ -150,7 +146,7 @@ if master:
     log = metrics.Log(config, start, ckpt)
     heartbeat = fleet.heartbeat
 else:
-    if engine_gpus:  # another node's, numbered after node 0's; they talk to rank 0
+    if engine_gpus:  # another node's, numbered after node 0's
         engines = spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
                         os.environ["MASTER_ADDR"], plan)
     heartbeat = watch(config, rank, world, local_world, nodes, engines)
@@ -161,7 +157,7 @@ def push_weights(version):
     if master:
         sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
     else:
-        for _ in full_weights():  # each full_tensor() is an all-gather: all ranks join
+        for _ in full_weights():  # each full_tensor() is an all-gather
             pass
 
 
@@ -171,7 +167,7 @@ def micro_batch(groups, step, n_tok):
     logp = L.token_logprobs(policy, batch, temperature)  # [C, T]
     adv = L.group_advantages(batch["rewards"], group_size)
     loss, bounded = L.grpo_loss(logp, batch["behav"], adv, batch["mask"], n_tok)
-    (loss * world).backward()  # FSDP averages over ranks; loss is the batch's token mean
+    (loss * world).backward()  # FSDP averages over ranks
     fresh = batch["versions"] == step  # sampled by the weights being trained
     return metrics.token_sums(loss, bounded, logp, batch["behav"], batch["mask"], fresh)
 
@@ -182,10 +178,10 @@ try:
         push_weights(start)
     for step in range(start, max_steps):
         version = step
-        # ---- 1. a batch: rank 0 takes it from the buffer and deals it out ----
-        msg = {}  # rank 0: {"shares": groups a rank, "n_tok"}, or {"stop": why}
+        # ---- 1. a batch: rank 0 takes it from the buffer, deals it out ----
+        msg = {}  # {"shares": groups a rank, "n_tok"} or {"stop": why}
         if master:
-            try:  # the overlap, 1 of 2: the engines made it while we trained the last
+            try:  # the overlap, 1 of 2: generated as we trained the last
                 groups, seen, t_wait = fleet.buffer.get(
                     version, batch_groups, fleet.check_alive, log.waiting)
                 n_tok = sum(int(c["mask"].sum()) for g in groups for c in g["completions"])
@@ -203,20 +199,20 @@ try:
         # ---- 2. the loss and one optimizer step ----
         t0 = time.perf_counter()
         sums = torch.zeros(len(metrics.SUMS), device=device)
-        borrowed = 0  # micro-batches on the engines' cores too (borrow_cpus)
+        borrowed = 0  # micro-batches on the engines' cores too
         for i, groups_i in enumerate(mine):
-            # one gradient reduce-scatter, after the last backward; weights stay gathered till then
+            # one reduce-scatter, after the last backward; weights gathered till then
             last = i == len(mine) - 1
             policy.set_requires_gradient_sync(last)
             policy.set_reshard_after_backward(last)
-            if borrow:  # every engine waits for the weights we train: use its cores
+            if borrow:  # every engine waits for the weights we train: its cores
                 engines_idle = fleet.idle(version)
                 torch.set_num_threads(threads + (borrow if engines_idle else 0))
                 borrowed += engines_idle
             sums += micro_batch(groups_i, step, msg["n_tok"])
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        if not torch.isfinite(grad_norm):  # it would poison the weights; every rank stops
+        if not torch.isfinite(grad_norm):  # it would poison the weights: stop
             raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: lower lr or "
                                      "check the data (--resume goes on from the last checkpoint)")
         optimizer.step()
@@ -226,7 +222,7 @@ try:
         version = step + 1
         # ---- 3. the new weights to every engine ----
         t0 = time.perf_counter()
-        push_weights(version)  # the overlap, 2 of 2: received beside generation, then copied
+        push_weights(version)  # the overlap, 2 of 2: sent and received beside generation
         t_sync = time.perf_counter() - t0
         # ---- 4. log ----
         if master:
@@ -236,7 +232,7 @@ try:
             fleet.done.update(g["pos"] for g in seen)  # for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version)
-    # ---- the end: the model in Hugging Face format; the final eval ----
+    # ---- the end: the model in Hugging Face format, the last eval ----
     full = {name: t.cpu() for name, t in full_weights(torch.float32)}  # every rank gathers
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
@@ -245,12 +241,12 @@ try:
             fleet.wait(lambda: any(e["version"] == max_steps for e in fleet.evals), timeout_s)
         log.close(fleet.evals)
         fleet.stop(timeout_s)  # every engine on every node exits
-    kill(engines, timeout_s)  # another node's: they exit once rank 0 says stop
-    # stop heartbeats between two barriers: one still beating would take rank 0's exit for a crash
+    kill(engines, timeout_s)  # another node's: they exit as rank 0 says stop
+    # heartbeats stop between barriers: one beating would take rank 0's exit for a crash
     dist.barrier(group=batches)
     heartbeat.stop()
     dist.barrier()
-except Exception as error:  # a signal or stall (Stopped), or an error: every rank ends here
+except Exception as error:  # a signal, a stall (Stopped), an error: every rank ends here
     if not isinstance(error, buffer.Stopped):
         if master and isinstance(error, RuntimeError):  # a broken wire: a dead engine?
             try:  # time for its exit code to show: check_alive() names it
@@ -261,11 +257,11 @@ except Exception as error:  # a signal or stall (Stopped), or an error: every ra
     elif master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
         print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
-        log.close(fleet.evals)  # the evals that came; a tracker's run ends finished
+        log.close(fleet.evals)  # a tracker's run ends finished
     kill(fleet.procs if master else engines)
     sys.stdout.flush()
     sys.stderr.flush()
-    # not sys.exit: tearing down groups whose threads wait on a peer aborts or hangs
+    # not sys.exit: tearing down groups whose threads wait on a peer hangs
     os._exit(128 + stop_signal[0] if isinstance(error, buffer.Stopped) and stop_signal else 1)
 if master:
     fleet.close()

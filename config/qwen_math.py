@@ -31,5 +31,6 @@ micro_batch_tokens = 32768
 activation_checkpointing = True
 max_model_len = 2048
 gpu_memory_utilization = 0.85  # the staging copy (3 GB in bf16) is counted in it
+# rank 0's GPU also holds the senders' copy of the weights (3 GB; 6 GB while an engine is behind)
 enforce_eager = False
 timeout_s = 600
