@@ -42,7 +42,7 @@ def apply(scope, argv):  # -> scope's config (train.py's globals) with argv
         try:
             value = ast.literal_eval(text if eq else "True")  # a bare --flag switches a bool on
         except (ValueError, SyntaxError):
-            value = text  # a bare string: --model=data/tiny
+            value = text  # a string: --model=data/tiny
         if want is str and type(value) is not str:
             value = text  # as written: --rollout_cpus=1
         _set(cfg, key, value, arg)

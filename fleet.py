@@ -90,7 +90,7 @@ class Fleet:  # rank 0's end of every engine
     def __init__(self, cfg, plan, device, engine_gpus, ckpt, stop_requested, nodes=1, world=1,
                  local_world=1):
         self.engines = cfg["rollout_engines"] * nodes
-        self.stop_requested = stop_requested  # -> the signals received
+        self.stop_requested = stop_requested  # -> signals received
         self.evals = []  # engine 0's, as they finish
         self.stats = {}  # engine -> its last counters
         self.last = {}  # the counters at the last rollout_stats()
@@ -132,7 +132,7 @@ class Fleet:  # rank 0's end of every engine
                 raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
                                    f"{p.returncode}; its output, if any, is above")
 
-    def receive(self, traj):  # a thread per engine, until its bye
+    def receive(self, traj):  # a thread an engine, until its bye
         try:
             while (msg := sync.recv_obj(traj, 1))["kind"] != "bye":
                 self.stats[msg["engine"]] = msg["stats"]

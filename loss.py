@@ -180,7 +180,7 @@ def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
     return logp.index_put((batch["at"],), lp).view(batch["C"], batch["T"])
 
 
-def group_advantages(rewards, group_size):  # no division by the std (the results log)
+def group_advantages(rewards, group_size):  # no division by the std (results log)
     r = rewards.view(-1, group_size)
     return (r - r.mean(dim=1, keepdim=True)).reshape(-1)
 

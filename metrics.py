@@ -5,7 +5,7 @@ import os
 import time
 from statistics import fmean as mean
 
-# per-token sums over a rank's micro-batches, all-reduced once a step
+# per-token sums over a rank's micro-batches, all-reduced a step
 SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "whole", "shift_whole",
         "k3_whole")
 

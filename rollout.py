@@ -99,10 +99,10 @@ class Rollout:
         self.connect()
         self.groups = {}  # open groups: g{pos}, eval{version}
         self.spans = {}  # request id -> [(version, first token)]
-        self.pending = None  # a version announced, not loaded yet
+        self.pending = None  # a version announced, not loaded
         self.holding = 0  # slots our training sequences hold (in vLLM or a tool)
         self.in_vllm = 0  # of them in vLLM
-        self.perm = {}  # epoch -> the order of its prompts
+        self.perm = {}  # epoch -> its prompts' order
         self.idle = ""  # our mark in the store
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["skipped_long"] = self.skipped if e == 0 else 0
@@ -335,7 +335,7 @@ class Rollout:
 
 
 if __name__ == "__main__":
-    reward.die_with_parent()  # rank 0 stops us at a step boundary, or dies
+    reward.die_with_parent()  # rank 0 stops us between steps, or dies
     config = json.loads(sys.argv[1])
     if config["rollout_cpus"]:  # see fleet.place()
         os.sched_setaffinity(0, cpus(config["rollout_cpus"]))

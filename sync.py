@@ -161,7 +161,7 @@ def staged(cfg):  # engines receive into a copy as they generate
 def weight_groups(store, e, rank, world, device, colocate, timeout_s):
     """Engine e's -> (wake: a push begins; the weights': NCCL on GPU, else gloo)."""
     wake = gloo(store, f"wake{e}", rank, world, timeout_s if rank == 0 else FOREVER)
-    # NCCL refuses two ranks on one GPU: for a check, gloo carries CUDA tensors
+    # NCCL refuses two ranks on one GPU: in a check, gloo carries CUDA tensors
     if device.type == "cuda" and not colocate and os.environ.get("NANOASYNC_SHARE_GPU") != "1":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
@@ -206,7 +206,7 @@ class Sender:
             os.unlink(self.copy.untyped_storage().filename)
         self.cond = threading.Condition()
         self.latest = None  # (version, snapshot); (-1, None): stop
-        self.error = None  # a thread's, raised by the next push
+        self.error = None  # a thread's, for the next push to raise
         self.threads = [threading.Thread(target=self.send, args=(e,), daemon=True)
                         for e in range(0 if self.colocate else len(ctls))]
         for t in self.threads:
@@ -232,7 +232,7 @@ class Sender:
                     finish(w)
                 if not self.paused:  # it received as it generated: now it loads
                     broadcast_version(self.ctls[e], version)
-                del snapshot  # freed once no thread sends it
+                snapshot = w = None  # (w holds a view) now it can be freed
         except Exception as err:
             self.error = f"sending weights to rollout process {e} failed: {err}"
 
@@ -249,9 +249,9 @@ class Sender:
             t.join(timeout_s)
 
     def close(self):  # NCCL's communicators shut down, not hanging
-        for _, pg in self.links:
-            if type(pg).__name__ == "ProcessGroupNCCL":
-                pg.shutdown()
+        for t, (_, pg) in zip(self.threads, self.links):  # NCCL: not colocated
+            if type(pg).__name__ == "ProcessGroupNCCL":  # abort one stuck sending
+                (pg.abort if t.is_alive() else pg.shutdown)()
 
 
 def fill(flat, plan, tensors):  # (name, tensor) in plan order -> cast into flat

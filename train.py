@@ -29,10 +29,10 @@ model = "data/tiny"  # a Hugging Face folder or hub id
 task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME (reasoning-gym)
 data_path = ""  # gsm8k: a jsonl of {"question", "answer"}, or a hub id
 out_dir = "out"
-tracker = ""  # "wandb" | "trackio"
+tracker = ""  # wandb | trackio
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
-batch_groups = 8  # prompt groups per step, over all ranks
+batch_groups = 8  # prompt groups a step, over all ranks
 group_size = 8  # completions per prompt
 max_new_tokens = 64  # per completion, tool results too
 max_turns = 4  # model turns per completion (1 = no tool)
@@ -40,18 +40,18 @@ temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
 grad_clip = 1.0
 micro_batch_tokens = 4096  # packed tokens a micro-batch (a larger group alone)
-activation_checkpointing = False  # recompute layers in the backward pass
+activation_checkpointing = False  # recompute layers in backward
 compile_layers = True  # GPU, bf16/fp16: torch.compile each layer in step 0
 max_staleness = 1  # eta: the most versions a trained token may be old; 0 = synchronous
-drop_flat = True  # skip groups whose rewards are all equal (no signal)
+drop_flat = True  # skip groups whose rewards are all equal
 eval_every = 5  # versions between greedy held-out evals (also first, last); 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines a node, each on tensor_parallel_size GPUs
 tensor_parallel_size = 1
 colocate = False  # trainer and vLLM share one GPU, weights by shared memory
 stage_weights = True  # receive weights into a copy as vLLM generates; False: paused
-rollout_seqs = 256  # most sequences one engine generates at once
-rollout_dtype = "float32"  # vLLM's weights and compute (its output layer: float32)
+rollout_seqs = 256  # most sequences an engine generates at once
+rollout_dtype = "float32"  # vLLM's weights and compute (output layer: float32)
 trainer_dtype = "float32"  # FSDP2 compute (master weights: float32)
 rollout_cpus = ""  # CPU: vLLM's cores, "1" or "2-3"; the trainer's: the rest
 borrow_cpus = True  # CPU, one rank: vLLM's cores too while every engine waits
@@ -60,7 +60,7 @@ kv_cache_gb = 1  # vLLM's KV cache on CPU (GiB)
 gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer has the rest)
 enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
 rollout_port = 29600  # the trainer-engine store, on rank 0
-timeout_s = 120  # a peer silent this long is dead: exit, not hang
+timeout_s = 120  # a peer silent this long is dead: exit
 start_timeout_s = 900  # engine start (on a GPU: compiling, CUDA graphs)
 stall_s = 600  # this long with nothing usable (flat, stale): stop
 reward_timeout_s = 5.0  # a longer grade is killed, scores 0 (reward_failed)
@@ -92,7 +92,7 @@ device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
 engine_gpus, borrow = place(config, world, local_world, device, local_rank == 0)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                         timeout=timedelta(seconds=timeout_s))
-threads = torch.get_num_threads()  # CPU: our cores (place)
+threads = torch.get_num_threads()  # CPU: our cores
 batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))  # as rank 0 waits, stall_s
 
 # ---- the policy, sharded, and its optimizer ----
@@ -174,11 +174,11 @@ def micro_batch(groups, step, n_tok):
 
 version = step = start
 try:
-    if start > 0:  # resumed: the engines get the checkpoint's weights
+    if start > 0:  # resumed: the checkpoint's weights first
         push_weights(start)
     for step in range(start, max_steps):
         version = step
-        # ---- 1. a batch: rank 0 takes it from the buffer, deals it out ----
+        # ---- 1. a batch: rank 0 takes it, deals it out ----
         msg = {}  # {"shares": groups a rank, "n_tok"} or {"stop": why}
         if master:
             try:  # the overlap, 1 of 2: generated as we trained the last
@@ -232,7 +232,7 @@ try:
             fleet.done.update(g["pos"] for g in seen)  # for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version)
-    # ---- the end: the model in Hugging Face format, the last eval ----
+    # ---- the end: the model (Hugging Face format), the last eval ----
     full = {name: t.cpu() for name, t in full_weights(torch.float32)}  # every rank gathers
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
