@@ -183,7 +183,7 @@ def weight_sync(model_dir, repeats=5):
                              str(repeats)], cwd=ROOT, env=vllm_env())
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     cfg = {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60, "rollout_port": port,
-           "tensor_parallel_size": 1}
+           "tensor_parallel_size": 1, "stage_weights": True}
     ctls, _ = sync.connect(store, 0, 1, 60)
     sender = sync.Sender(store, sync.plan(meta, torch.float32), cfg, torch.device("cpu"), ctls)
     flat = torch.zeros(sum(n for _, n, _ in sender.plan))
