@@ -3,18 +3,16 @@ eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward, maybe 
 -> the tool's words (None: final). They run in worker processes, killed past a time limit (sympy
 can spin in C). Simplifications: reward 1 or 0 (rg: its scorer's); a tool's words: plain text."""
 import ast
+import concurrent.futures
 import ctypes
 import functools
 import json
-import multiprocessing.connection  # binds multiprocessing too
+import multiprocessing
 import operator
 import os
 import random
 import re
 import signal
-import time
-from collections import deque
-from contextlib import suppress
 
 JSONL_HINT = "a jsonl file of {question, answer} lines"
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k's ask
@@ -209,78 +207,42 @@ def is_flat(group):  # all rewards equal: no signal for GRPO
     return len({c["reward"] for c in group["completions"]}) == 1
 
 
-def die_with_parent():  # ends with its parent, not by signals
-    for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals the whole process group
+def die_with_parent(ignored=(signal.SIGINT, signal.SIGTERM)):  # and not by these signals
+    for sig in ignored:  # torchrun signals the whole process group
         signal.signal(sig, signal.SIG_IGN)
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _work_forever(conn):  # [(fn, text, answer)] in, (result, failed) out
-    die_with_parent()
-    while True:
-        try:
-            jobs = conn.recv()
-        except EOFError:  # the engine is gone
-            return
-        for job in jobs:  # a reply each: the engine times each
-            conn.send(safely(*job))
-
-
 class Workers:
-    """Processes for grades and tools: submit() queues fn(text, answer), fn a module's; poll()
-    gives each idle worker its share of the queue -> [(key, result, failed)] done since."""
+    """Grades and tools in processes (pebble's pool): submit() queues fn(text, answer), fn a
+    module's; one past timeout_s is killed with its process. poll() -> [(key, result, failed)]."""
 
     def __init__(self, workers=2, timeout_s=5.0):
+        import pebble  # its workers ignore SIGINT and exit on SIGTERM: a kill takes no wait
         self.timeout_s = timeout_s
-        self.ctx = multiprocessing.get_context("spawn")  # the engine has threads: no fork
-        self.queue = deque()  # (key, fn, text, answer), not sent
-        self.pool = [self.start() for _ in range(workers)]
-
-    def start(self):
-        conn, theirs = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_work_forever, args=(theirs,), daemon=True)
-        proc.start()
-        # jobs: sent, not done; since: when the first reached it
-        return {"proc": proc, "conn": conn, "jobs": deque(), "since": 0.0}
+        self.pool = pebble.ProcessPool(  # spawned: the engine has threads
+            workers, initializer=die_with_parent, initargs=((),),
+            context=multiprocessing.get_context("spawn"))
+        self.running = {}  # future -> key
 
     @property
     def busy(self):
-        return bool(self.queue) or any(w["jobs"] for w in self.pool)
+        return bool(self.running)
 
     def submit(self, key, fn, text, answer):
-        self.queue.append((key, fn, text, answer))
+        future = self.pool.schedule(safely, (fn, text, answer), timeout=self.timeout_s)
+        self.running[future] = key
 
     def wait(self, timeout):  # for a result, at most timeout seconds
-        conns = [w["conn"] for w in self.pool if w["jobs"]]
-        if conns:
-            multiprocessing.connection.wait(conns, timeout)
+        concurrent.futures.wait(self.running, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def poll(self):
-        done, now = [], time.monotonic()
-        for n, w in enumerate(self.pool):
-            try:
-                while w["jobs"] and w["conn"].poll():
-                    done.append((w["jobs"].popleft()[0], *w["conn"].recv()))
-                    w["since"] = now
-            except (EOFError, OSError):  # it died: its call fails, as a stuck one
-                w["since"] = -self.timeout_s
-            if w["jobs"] and now - w["since"] > self.timeout_s:
-                w["proc"].kill()
-                w["proc"].join()
-                done.append((w["jobs"].popleft()[0], None, True))
-                self.queue.extendleft(reversed(w["jobs"]))  # the rest of its batch, first again
-                self.pool[n] = self.start()
-        idle = [w for w in self.pool if not w["jobs"]]
-        for k, w in enumerate(idle):  # each an even share of the queue
-            share = -(-len(self.queue) // (len(idle) - k))
-            if not share:
-                break
-            w["jobs"].extend(self.queue.popleft() for _ in range(share))
-            w["since"] = now
-            with suppress(OSError):  # it died idle: the next poll replaces it
-                w["conn"].send([job[1:] for job in w["jobs"]])
+        done = []
+        for future in [f for f in self.running if f.done()]:
+            ok = future.exception() is None  # else killed at the limit, or its process died
+            done.append((self.running.pop(future), *(future.result() if ok else (None, True))))
         return done
 
-    def close(self):
-        for w in self.pool:
-            w["proc"].kill()
+    def close(self):  # joined: no semaphore left for a warning
+        self.pool.stop()
+        self.pool.join()

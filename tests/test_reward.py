@@ -92,8 +92,8 @@ def test_a_raising_hanging_or_flooding_call_fails_and_is_counted():
 
 def test_graders_take_many_answers_per_round_without_spinning():
     """1,000 answers at once, collected by a loop that stands in for the engine's (a 10 ms step,
-    then Workers.wait and poll): each worker gets its share in one message and sends every grade
-    back as it is done, so a round collects many grades. The loop never spins on an empty poll."""
+    then Workers.wait and poll): the workers take the next answer as they finish one, not as the
+    loop polls, so a round collects many grades. The loop never spins on an empty poll."""
     graders = reward.Workers(workers=2, timeout_s=5.0)
     for i in range(1000):
         graders.submit(i, reward.grade_number, f"{i} + 1 = {i + 1}", str(i + 1))
