@@ -166,24 +166,30 @@ def ratios():
     print(json.dumps(results[name] | {"config": name, "per_config": results}))
 
 
-def weight_sync(model_dir, repeats=5):
-    """Trainer-side seconds to push a model into a real vLLM engine (sync.push, then its load:
-    peers/weight_peer.py) vs one raw broadcast of the same bytes to the same worker. -> medians
-    and the bytes."""
+def weight_sync(model_dir, repeats=5, lora_rank=0, loaded=None):
+    """Trainer-side seconds to push a model (lora_rank > 0: its adapter) into a real vLLM engine
+    (sync.push, then its load: peers/weight_peer.py) vs one raw broadcast of the same bytes to
+    the same worker. -> medians and the bytes; `loaded`: a list, gets the seconds from the push
+    to the engine's load done."""
     import socket
     import torch
     from transformers import AutoModelForCausalLM
+    import lora
     import sync
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = sync.open_store("127.0.0.1", port, True, 60)
-    peer = subprocess.Popen([sys.executable, "peers/weight_peer.py", model_dir, str(port),
-                             str(repeats)], cwd=ROOT, env=vllm_env())
-    meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     cfg = {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60, "rollout_port": port,
-           "tensor_parallel_size": 1, "stage_weights": True}
+           "tensor_parallel_size": 1, "stage_weights": True, "lora_rank": lora_rank,
+           "lora_alpha": 32, "lora_targets": "all-linear"}
+    if lora_rank:
+        model = lora.add(model, cfg, torch.float32)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    peer = subprocess.Popen([sys.executable, "peers/weight_peer.py", model_dir, str(port),
+                             str(repeats), str(lora_rank)], cwd=ROOT, env=vllm_env())
+    meta = [(n, tuple(p.shape)) for n, p in trained]
     ctls, _ = sync.connect(store, 0, 1, 60)
     sender = sync.Sender(store, sync.plan(meta, torch.float32), cfg, torch.device("cpu"), ctls)
     flat = torch.zeros(sum(n for _, n, _ in sender.plan))
@@ -192,9 +198,11 @@ def weight_sync(model_dir, repeats=5):
     with torch.no_grad():
         for i in range(repeats):
             t = time.perf_counter()
-            sync.push(sender, model.named_parameters(), i)
+            sync.push(sender, iter(trained), i)
             pushed.append(time.perf_counter() - t)
             store.wait([f"loaded{i}"])  # the sender's thread is done with the group
+            if loaded is not None:
+                loaded.append(time.perf_counter() - t)
             t = time.perf_counter()
             store.set(f"raw{i}", "1")
             sender.links[0][1].broadcast(flat, 0).wait()
@@ -691,6 +699,24 @@ def fill():
     print(json.dumps(out))
 
 
+# ---- --lora: a push of the adapter against a push of the model ---------------------------------
+def lora_push():
+    """`--lora [--rank=16] [--runs=2]`: SmolLM2-135M in fp32 into a real engine, the whole model
+    then a rank-R adapter on every linear layer, back to back, `runs` times: the bytes, the
+    seconds the trainer waits (sync.push), and the seconds until the engine has loaded it."""
+    prepare("smollm")
+    rank, rows = int(args.get("rank", 16)), []
+    for run in range(int(args.get("runs", 2))):
+        for r in (0, rank):
+            loaded = []
+            pushed, _, nbytes = weight_sync("data/smollm2-135m", lora_rank=r, loaded=loaded)
+            row = {"run": run, "lora_rank": r, "push_bytes": nbytes, "push_s": round(pushed, 4),
+                   "loaded_s": round(sorted(loaded)[len(loaded) // 2], 4)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(json.dumps(rows))
+
+
 # ---- --ab=REV: the demo, this tree against a commit, back to back ------------------------------
 def ab():
     """`--ab=REV`: config/smollm_cpu.py --eval_every=0 --max_steps=4 (--steps=N) on commit REV
@@ -738,6 +764,8 @@ MODES = {  # mode: (function, its usage line)
                    "[--modes=colocate,separate,paused]: the whole GPU path in minutes"),
     "--ab": (ab, "python bench.py --ab=REV [--steps=4]: the demo on REV and on this tree, back "
                  "to back"),
+    "--lora": (lora_push, "python bench.py --lora [--rank=16] [--runs=2]: a LoRA push vs a full "
+                          "one"),
 }
 
 if __name__ == "__main__":

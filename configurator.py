@@ -68,6 +68,7 @@ def resolve_model(name):  # -> name, a local folder, or the hub's copy
 
 def check(cfg, world):  # before anything starts -> cfg, model resolved
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    import lora
     import reward
     if cfg["batch_groups"] % world:
         die(f"batch_groups={cfg['batch_groups']} is not divisible by the {world} trainer ranks: "
@@ -98,6 +99,11 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
     if not causal:
         die(f"model {cfg['model']!r} is a {'/'.join(archs) or kind!r} model, not a causal language "
             "model: use a decoder-only LM")
+    if cfg["lora_rank"] not in (0, 1, 8, 16, 32, 64, 128, 256, 320, 512):  # 0: every weight
+        die(f"lora_rank={cfg['lora_rank']} is none of vLLM's: 1, 8, 16, 32, 64, 128, 256, 320, 512")
+    if cfg["lora_rank"] and not lora.servable(archs):
+        die(f"vLLM cannot serve {'/'.join(archs) or kind} with a LoRA adapter: --lora_rank=0 "
+            "trains every weight")
     try:  # the engines load it too; its errors are clearer here
         reward.load_task(cfg)
     except (OSError, ValueError, KeyError) as e:

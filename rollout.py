@@ -14,6 +14,7 @@ import traceback
 import numpy as np
 
 import budget
+import lora
 import reward
 import sync
 
@@ -77,7 +78,7 @@ def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
                gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
                tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
                hf_overrides={"head_dtype": "float32"}, enable_prefix_caching=True,
-               block_size=32 if device == "cpu" else None, **extra,
+               block_size=32 if device == "cpu" else None, **lora.engine_args(cfg, device), **extra,
                compilation_config=None if device == "cpu" else {"max_cudagraph_capture_size": seqs})
 
 
@@ -115,6 +116,7 @@ class Rollout:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.llm = make_llm(self.cfg, "cuda" if torch.cuda.is_available() else "cpu", self.e)
         self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
+        self.adapter = lora.request(self.cfg)  # None: no LoRA
         # steps launched, not returned by step(): 1 with async scheduling
         self.lag = self.engine.vllm_config.max_concurrent_batches - 1
         self.task = reward.load_task(self.cfg)
@@ -251,7 +253,7 @@ class Rollout:
     def add(self, gid, i, ids, params):  # the salt: no prefix-cache hit on older weights
         rid = f"{gid}/{i}/{self.groups[gid]['comps'][i]['turns']}"  # group/completion/turn
         prompt = {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"}
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, prompt, params, lora_request=self.adapter)
         self.spans[rid] = [(self.version, 0)]
         self.in_vllm += not self.groups[gid]["eval"]
 

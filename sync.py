@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import lora
+
 FOREVER = 7 * 86400  # long steps, quiet engines: heartbeats end it
 BEAT_S = 1
 DEAD_S = 10  # a peer silent this long is dead
@@ -294,8 +296,10 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
     world = 1 + cfg["tensor_parallel_size"]  # rank 0 and this engine's workers
     groups = weight_groups(
         store, e, 1 + worker.rank, world, device, cfg["colocate"], cfg["timeout_s"])
+    if cfg.get("lora_rank"):  # a zero adapter, the base's outputs, until the first push
+        lora.swap(worker, [(n, torch.zeros(shape)) for _, _, ws in plan for n, shape in ws], cfg)
     worker.nanoasync = s = dict(
-        copy=copy, plan=plan, device=device, groups=groups, colocate=cfg["colocate"],
+        cfg=cfg, copy=copy, plan=plan, device=device, groups=groups, colocate=cfg["colocate"],
         dtype=getattr(torch, cfg["rollout_dtype"]), timeout_s=cfg["timeout_s"],
         staged=queue.Queue(),  # versions from stage() (or an error)
         loaded=threading.Event())  # load() copied the last: receive the next
@@ -355,7 +359,10 @@ def load(worker):  # in each vLLM worker, the engine paused -> the version
             raise RuntimeError(f"receiving weights failed: {version}")
         weights = (w for offset, n, ws in s["plan"]
                    for w in weights_in(s["copy"][offset:offset + n], ws))
-    copy_in(worker, weights)
+    if s["cfg"].get("lora_rank"):  # only the adapter came
+        lora.swap(worker, weights, s["cfg"])
+    else:
+        copy_in(worker, weights)
     if cuda:
         torch.cuda.synchronize()  # all streams see the new weights
     s["loaded"].set()

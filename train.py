@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import buffer
 import configurator
 import loss as L
+import lora
 import metrics
 import sync
 from fleet import Fleet, kill, place, spawn, watch
@@ -67,6 +68,9 @@ reward_timeout_s = 5.0  # a longer grade is killed, scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
 ckpt_every = 0  # {out_dir}/ckpt.pt every this many steps, at the end, on signals
 resume = False  # continue exactly from {out_dir}/ckpt.pt
+lora_rank = 0  # > 0: train a LoRA adapter of this rank (lora.py), the base frozen
+lora_alpha = 32  # the adapter's output scaled by lora_alpha / lora_rank
+lora_targets = "all-linear"  # PEFT's target_modules: all-linear, or "q_proj,v_proj"
 # ------------------------------------------------------------
 config = configurator.apply(globals(), sys.argv[1:])
 torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
@@ -97,20 +101,26 @@ batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))  # as rank 0
 
 # ---- the policy, sharded, and its optimizer ----
 policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+if lora_rank:
+    policy = lora.add(policy, config, getattr(torch, trainer_dtype))
 L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing, compile_layers)
-optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, fused=cuda)
-full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
+# what the optimizer updates and the engines receive: every weight, or the adapter's
+trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+optimizer = torch.optim.AdamW([p for _, p in trained], lr=lr, weight_decay=0.0, fused=cuda)
+full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True,
+                              ignore_frozen_params=lora_rank > 0, strict=lora_rank == 0)
 
 
 def full_weights(dtype=getattr(torch, trainer_dtype)):
     """(name, full tensor), cast before the gather (bf16: half the bytes). All ranks run it."""
-    for name, p in policy.named_parameters():
+    for name, p in trained:
         p = p.detach().to(dtype)
         yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
 plan = sync.plan(  # each weight's bucket and place in the flat copies (sync.py)
-    [(name, p.shape) for name, p in policy.named_parameters()], getattr(torch, rollout_dtype))
+    [(name, p.shape) for name, p in trained], getattr(torch, rollout_dtype))
+push_bytes = sum(n for _, n, _ in plan) * getattr(torch, rollout_dtype).itemsize
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 
 
@@ -227,7 +237,7 @@ try:
         # ---- 4. log ----
         if master:
             log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
-                     t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync,
+                     t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync, push_bytes=push_bytes,
                      borrowed_frac=borrowed / len(mine), micro_batches=len(mine))
             fleet.done.update(g["pos"] for g in seen)  # for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
@@ -236,7 +246,10 @@ try:
     full = {name: t.cpu() for name, t in full_weights(torch.float32)}  # every rank gathers
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
-        policy.save_pretrained(out_dir, state_dict=full)
+        if lora_rank:  # the adapter (PEFT's format)
+            lora.save(full, config, out_dir)
+        else:
+            policy.save_pretrained(out_dir, state_dict=full)
         if eval_every > 0:
             fleet.wait(lambda: any(e["version"] == max_steps for e in fleet.evals), timeout_s)
         log.close(fleet.evals)

@@ -1,7 +1,8 @@
 """The vLLM side of bench.py's weight-sync ratio: a real engine whose worker joins the weight
 groups (sync.join), then, REPEATS times, loads a push (sync.load) and takes one raw broadcast of
-the same bytes on the same group. The trainer side is bench.weight_sync().
-Usage: python peers/weight_peer.py MODEL_DIR PORT REPEATS"""
+the same bytes on the same group. The trainer side is bench.weight_sync(). LORA_RANK > 0: the
+engine serves an adapter, and a push is the adapter.
+Usage: python peers/weight_peer.py MODEL_DIR PORT REPEATS [LORA_RANK]"""
 import os
 import sys
 
@@ -18,10 +19,12 @@ def raw(worker, numel):  # one broadcast of numel floats on the weights group
 
 if __name__ == "__main__":
     model, port, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     cfg = dict(model=model, rollout_dtype="float32", colocate=False, timeout_s=60, seed=0,
                max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.5,
                tensor_parallel_size=1, kv_cache_gb=1, rollout_seqs=4, group_size=4, eval_n=0,
-               rollout_port=port, stage_weights=True, host="127.0.0.1", engines=1)
+               rollout_port=port, stage_weights=True, host="127.0.0.1", engines=1,
+               lora_rank=rank, lora_alpha=32, lora_targets="all-linear")
     llm = rollout.make_llm(cfg, "cpu")
     store = sync.open_store("127.0.0.1", port, False, 60)
     ctl, _ = sync.connect(store, 1, 1, 60)

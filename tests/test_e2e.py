@@ -454,6 +454,51 @@ def test_a_tracker_gets_the_config_and_every_row(tiny, tmp_path, tracker):
     assert all(" | eta " in line for line in lines) and lines[-1].endswith(" | eta 0s"), lines
 
 
+def test_a_lora_run_sends_only_the_adapter_resumes_and_merges(tiny, tmp_path):
+    """lora_rank=8: the trainer trains the adapter alone, each push carries it alone, and the
+    engine, swapping it in place, samples what the trainer computes (fp32, eta = 0). Checkpoints
+    hold the adapter and its optimizer state; a resumed run trains the same prompts. The adapter
+    saved at the end loads in PEFT, and `prepare.py merge` makes a model folder of it that
+    transformers and vLLM load, with the adapter's outputs."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    lora = (*SYNC, "--lora_rank=8", "--lora_alpha=16", "--lr=1e-2", "--ckpt_every=2")
+    whole, _, _ = train(tmp_path / "whole", "--max_steps=6", *lora)
+    adapter = load_file(tmp_path / "whole" / "adapter_model.safetensors")
+    assert len(adapter) == 2 * 2 * 7 and all(".lora_" in k for k in adapter)  # A, B: 7 a layer
+    for m in whole:  # only the adapter travels; the engine computes what the trainer does
+        assert m["push_bytes"] == 4 * sum(t.numel() for t in adapter.values())
+        assert m["staleness_max"] == 0 and m["logprob_mismatch"] < 1e-4
+    assert max(t.abs().max() for k, t in adapter.items() if "lora_B" in k) > 1e-3  # B was 0
+    ckpt = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
+    # the adapter; of the frozen base at most the tied head's alias
+    assert ckpt["version"] == 6 and {k for k in ckpt["model"] if ".lora_" not in k} <= {
+        "lm_head.weight"}
+    train(tmp_path / "part", "--max_steps=4", *lora)
+    resumed, _, _ = train(tmp_path / "part", "--max_steps=6", *lora, "--resume")
+    assert [m["prompts"] for m in resumed] == [m["prompts"] for m in whole]
+    assert all(m["logprob_mismatch"] < 1e-4 for m in resumed)  # the checkpoint's adapter, sent
+    subprocess.run([sys.executable, "prepare.py", "merge", str(tmp_path / "whole")], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        before = AutoModelForCausalLM.from_pretrained(tiny["tied"])(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny["tied"])
+        want = PeftModel.from_pretrained(base, tmp_path / "whole")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "merged")(ids).logits
+    assert (merged - want).abs().max() < 1e-4 and (want - before).abs().max() > 1e-3
+    code = ("import sys, vllm; llm = vllm.LLM(sys.argv[1], dtype='float32', max_model_len=64, "
+            "enforce_eager=True); p = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0); "
+            "o = llm.generate([{'prompt_token_ids': [5, 17, 42, 99, 7]}], p, use_tqdm=False)[0]; "
+            "print('logprobs', [list(d.values())[0].logprob for d in o.prompt_logprobs[1:]])")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "whole" / "merged")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lps = torch.log_softmax(merged[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+    got = next(line for line in p.stdout.splitlines() if line.startswith("logprobs"))
+    assert torch.allclose(torch.tensor(eval(got[8:])), lps, atol=1e-4), (got, lps)
+
+
 def test_a_reasoning_gym_task_trains_end_to_end(tmp_path):
     """rg:chain_sum on a tiny model with room for its prompts (the system prompt and the worked
     example take ~530 of its byte-level tokens): train problems, grades by the dataset's scorer in
@@ -509,6 +554,8 @@ def test_a_missing_optional_package_is_a_one_line_error(tiny, tmp_path, arg, mod
     (["--tracker=mlflow"], "unknown tracker 'mlflow': use wandb, trackio or \"\" (none)"),
     (["--resume", "--out_dir=out/never-written"],
      "--resume: no checkpoint at out/never-written/ckpt.pt"),
+    (["--lora_rank=12"], "lora_rank=12 is none of vLLM's: 1, 8, 16, 32,"),
+    (["--lora_rank=8", "--lora_targets=q_proj,nope_proj"], "lora_targets='q_proj,nope_proj': "),
 ])
 def test_bad_config_is_rejected_clearly(tiny, args, message):
     p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT,
@@ -518,13 +565,16 @@ def test_bad_config_is_rejected_clearly(tiny, args, message):
 
 
 def test_bad_files_are_rejected_clearly(tiny, tmp_path):
-    (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(
-        '{"model_type": "bert", "architectures": ["BertForMaskedLM"]}')
+    for name, arch in [("bert", "BertForMaskedLM"), ("gpt2", "GPT2LMHeadModel")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(
+            f'{{"model_type": "{name}", "architectures": ["{arch}"]}}')
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "q", "answer": "1"}\n{"question": "no answer"}\n')
     for args, message in [([f"--model={tmp_path}/bert"],
                            "is a 'BertForMaskedLM' model, not a causal language model"),
+                          ([f"--model={tmp_path}/gpt2", "--lora_rank=8"],
+                           "vLLM cannot serve GPT2LMHeadModel with a LoRA adapter"),
                           (["--task=gsm8k", f"--data_path={data}"],
                            f"{data}:2: expected a JSON object")]:
         p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT,

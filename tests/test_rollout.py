@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fleet as fleet_mod
+import lora as lora_mod
 from reward import is_flat
 import sync
 import tool_task
@@ -60,7 +61,7 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
             push(fleet, ((n, p * scale if n == "model.norm.weight" else p)
                          for n, p in model.named_parameters()), v)
         deadline = time.time() + 120
-        # a fourth turn comes to ~4 of 32 answers, 0 to one run in a CI (below): 16 groups with a tool
+        # a fourth turn comes to ~4 of 32 answers, 0 in one CI run: 16 groups with a tool
         while len(fleet.buffer.groups) < (16 if tool else 8) and time.time() < deadline:
             fleet.check_alive()
             time.sleep(0.1)
@@ -97,17 +98,24 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
     assert all(e["eval_versions"][0] >= e["version"] for e in evals.values())
 
 
-def test_a_completion_that_lives_through_loads_is_what_each_version_computed_over_its_kv(tiny):
+@pytest.mark.parametrize("lora", [0, 8])
+def test_a_completion_that_lives_through_loads_is_what_each_version_computed_over_its_kv(tiny,
+                                                                                          lora):
     """Why logprob_mismatch leaves out completions that lived through a load: their tokens after the
     load come from the new weights over a KV cache that older weights wrote. Replaying each answer
     token by token, each position with the weights its tag names, reproduces vLLM's logprobs
-    (fp32): the tags and the behaviour logprobs are exact; the final weights alone do not."""
+    (fp32): the tags and the behaviour logprobs are exact; the final weights alone do not. With
+    LoRA only the adapter changes and travels; the engine swaps it in place, requests in flight."""
     from transformers import DynamicCache
     cfg = dict(defaults(), model=tiny["untied"], rollout_port=free_port(), max_new_tokens=64,
                max_model_len=128, batch_groups=1000, group_size=2, rollout_seqs=8,
-               max_staleness=0, eval_every=0, timeout_s=60, max_steps=1000)
+               max_staleness=0, eval_every=0, timeout_s=60, max_steps=1000, lora_rank=lora,
+               lora_alpha=16)
     model = AutoModelForCausalLM.from_pretrained(tiny["untied"], dtype=torch.float32).eval()
-    meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if lora:
+        model = lora_mod.add(model, cfg, torch.float32)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    meta = [(n, tuple(p.shape)) for n, p in trained]
     plan = sync.plan(meta, torch.float32)
     states = [{k: v.clone() for k, v in model.state_dict().items()}]
     fleet = fleet_mod.Fleet(cfg, plan, torch.device("cpu"), [[]], {}, lambda: [])
@@ -116,10 +124,10 @@ def test_a_completion_that_lives_through_loads_is_what_each_version_computed_ove
             time.sleep(0.1)
             torch.manual_seed(v)
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn_like(p) * 0.02)
+                for _, p in trained:
+                    p.add_(torch.randn_like(p) * (0.1 if lora else 0.02))
             states.append({k: t.clone() for k, t in model.state_dict().items()})
-            push(fleet, model.named_parameters(), v)
+            push(fleet, iter(trained), v)
         deadline = time.time() + 120
         while len(fleet.buffer.groups) < 6 and time.time() < deadline:
             fleet.check_alive()

@@ -2,7 +2,8 @@
 rank of the weight group and receives them itself (sync.join, sync.stage, sync.load), in
 buckets: staged while it generates, or paused (stage_weights=False: no copy, each bucket loaded
 as it comes), or, colocated, through shared memory. After each push vLLM's sampled-token logprobs
-equal the trainer's own log_softmax(logits / T) on the new weights, and not on the old."""
+equal the trainer's own log_softmax(logits / T) on the new weights, and not on the old. With
+LoRA only the adapter travels, and the engine swaps it in place of the one it serves."""
 import copy
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import lora
 import sync
 from conftest import ROOT, free_port
 
@@ -25,34 +27,40 @@ def logprobs(model, prompt, completion, temperature=0.7):
 
 
 @pytest.mark.parametrize("kind, colocate, staged", [
-    ("tied", False, True), ("untied", False, True), ("tied", True, True), ("untied", False, False)])
+    ("tied", False, True), ("untied", False, True), ("tied", True, True), ("untied", False, False),
+    ("lora", False, True), ("lora", True, True)])
 def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate, staged, monkeypatch):
-    path = tiny[kind]
+    path = tiny["untied" if kind == "untied" else "tied"]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert model.config.tie_word_embeddings == (kind == "tied")
+    assert model.config.tie_word_embeddings == (kind != "untied")
+    rank = 8 if kind == "lora" else 0
     prompt = AutoTokenizer.from_pretrained(path).encode("What is 12 + 7?")
     port = free_port()
     cfg = {"rollout_dtype": "float32", "colocate": colocate, "rollout_port": port, "timeout_s": 60,
-           "tensor_parallel_size": 1,
-           "stage_weights": staged}
+           "tensor_parallel_size": 1, "stage_weights": staged,
+           "lora_rank": rank, "lora_alpha": 16, "lora_targets": "all-linear"}
+    if rank:  # the trainer's adapters: A random, B zero (the base's outputs)
+        model = lora.add(model, cfg, torch.float32)
     monkeypatch.setattr(sync, "BUCKET", 2**16)  # several buckets; the embedding (128 KiB) alone
     store = sync.open_store("127.0.0.1", port, True, 60)
     store.set("prompt", json.dumps(prompt))
     peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"), path,
                              str(port), json.dumps(cfg)])
     try:
-        meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied embedding once
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        meta = [(n, tuple(p.shape)) for n, p in trained]  # a tied embedding once
         plan = sync.plan(meta, torch.float32)
-        assert len(plan) > 2 and any(len(weights) == 1 for _, _, weights in plan)
+        if not rank:
+            assert len(plan) > 2 and any(len(weights) == 1 for _, _, weights in plan)
         ctls, _ = sync.connect(store, 0, 1, 60)
         sender = sync.Sender(store, plan, cfg, torch.device("cpu"), ctls)
         versions = [copy.deepcopy(model)]
         for k in (1, 2):
             torch.manual_seed(k)
             with torch.no_grad():
-                for p in model.parameters():
+                for _, p in trained:
                     p.add_(torch.randn_like(p) * 0.05)
-            sync.push(sender, model.named_parameters(), k)
+            sync.push(sender, iter(trained), k)
             versions.append(copy.deepcopy(model))
         assert peer.wait(timeout=60) == 0
         samples = json.loads(store.get("samples"))

@@ -6,6 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lora  # noqa: E402
 import rollout  # noqa: E402  (sets VLLM_ENABLE_V1_MULTIPROCESSING before vllm is imported)
 import sync  # noqa: E402
 
@@ -24,7 +25,8 @@ if __name__ == "__main__":
     params = SamplingParams(n=4, temperature=0.7, max_tokens=16, logprobs=0)
 
     def sample():
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                           lora_request=lora.request(cfg))[0]
         return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                 for c in out.outputs]
 
