@@ -569,7 +569,7 @@ def grading():
         graders = reward.Workers(workers, 5.0)
         for i in range(workers):  # each process imports math-verify once
             graders.submit(i, reward.grade_math, "\\boxed{1}", "1")
-        while graders.busy:
+        while graders.running:
             graders.wait(1.0)
             graders.poll()
         t, done = time.perf_counter(), 0

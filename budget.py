@@ -47,10 +47,6 @@ class Budget:
         self.taken += n
         return n
 
-    def give_back(self):  # a flat group of ours: the trainer skips it
-        give_back(self.store)
+    def give_back(self):  # a flat group of ours: the trainer skips it, another may start
+        self.store.add("started", -1)
         self.taken -= 1
-
-
-def give_back(store):  # a group dropped (flat, stale): another may start
-    store.add("started", -1)

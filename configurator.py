@@ -61,9 +61,8 @@ def resolve_model(name):  # -> name, a local folder, or the hub's copy
         files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
         return snapshot_download(name, allow_patterns=files)
     except Exception as e:
-        die(f"model {name!r} is not a local model folder and could not be loaded from the hub "
-            f"({type(e).__name__}): `hf download {name} --local-dir DIR` elsewhere and use "
-            f"--model=DIR, or {make}")
+        die(f"model {name!r} is no local folder, nor loads from the hub ({type(e).__name__}): "
+            f"`hf download {name} --local-dir DIR` elsewhere, then --model=DIR; or {make}")
 
 
 def check(cfg, world):  # before anything starts -> cfg, model resolved
@@ -71,15 +70,13 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
     import lora
     import reward
     if cfg["batch_groups"] % world:
-        die(f"batch_groups={cfg['batch_groups']} is not divisible by the {world} trainer ranks: "
-            f"use a multiple of {world}")
+        die(f"batch_groups={cfg['batch_groups']}: use a multiple of the {world} trainer ranks")
     if cfg["max_staleness"] < 0:
         die(f"max_staleness={cfg['max_staleness']} must be >= 0 (0 = synchronous)")
     if min(cfg["rollout_engines"], cfg["tensor_parallel_size"], cfg["grader_workers"]) < 1:
         die("rollout_engines, tensor_parallel_size and grader_workers must be >= 1")
     if cfg["rollout_seqs"] < cfg["group_size"]:
-        die(f"rollout_seqs={cfg['rollout_seqs']} cannot hold a group of group_size="
-            f"{cfg['group_size']}: raise rollout_seqs")
+        die(f"rollout_seqs={cfg['rollout_seqs']} < group_size={cfg['group_size']}: raise it")
     seqs = (cfg["max_staleness"] + 1) * cfg["batch_groups"] * cfg["group_size"]  # budget.py
     engines = cfg["rollout_engines"] * int(os.environ["GROUP_WORLD_SIZE"])
     if seqs < engines * cfg["rollout_seqs"] and os.environ["RANK"] == "0":
@@ -97,18 +94,15 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
     causal = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
         not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs))
     if not causal:
-        die(f"model {cfg['model']!r} is a {'/'.join(archs) or kind!r} model, not a causal language "
-            "model: use a decoder-only LM")
+        die(f"{cfg['model']!r} is a {'/'.join(archs) or kind!r}: use a causal (decoder-only) LM")
     if cfg["lora_rank"] not in (0, 1, 8, 16, 32, 64, 128, 256, 320, 512):  # 0: every weight
         die(f"lora_rank={cfg['lora_rank']} is none of vLLM's: 1, 8, 16, 32, 64, 128, 256, 320, 512")
     if cfg["lora_rank"] and not lora.servable(archs):
-        die(f"vLLM cannot serve {'/'.join(archs) or kind} with a LoRA adapter: --lora_rank=0 "
-            "trains every weight")
+        die(f"vLLM has no LoRA for {'/'.join(archs) or kind}: --lora_rank=0 trains every weight")
     try:  # the engines load it too; its errors are clearer here
         reward.load_task(cfg)
     except (OSError, ValueError, KeyError) as e:
         die(str(e))
     if cfg["resume"] and not os.path.isfile(f"{cfg['out_dir']}/ckpt.pt"):
-        die(f"--resume: no checkpoint at {cfg['out_dir']}/ckpt.pt; run without --resume "
-            "(--ckpt_every=K writes one)")
+        die(f"--resume: no {cfg['out_dir']}/ckpt.pt (--ckpt_every=K writes one); drop --resume")
     return cfg

@@ -9,7 +9,8 @@ import threading
 import time
 from contextlib import suppress
 
-import budget
+import torch
+
 import rollout
 import sync
 from buffer import Buffer, Stopped
@@ -21,7 +22,6 @@ TORCHRUN_ENV = ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_
 
 def place(cfg, world, local_world, device, leader):
     """-> (this node's engines' GPUs, after its ranks'; cores a lone CPU rank borrows)."""
-    import torch
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
     if device.type == "cpu":
         cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's
@@ -36,22 +36,18 @@ def place(cfg, world, local_world, device, leader):
     torch.cuda.set_device(device)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(g) for g in range(torch.cuda.device_count())]
-    # bench.py --gpu: engines on the trainer's GPU
-    share = cfg["colocate"] or os.environ.get("NANOASYNC_SHARE_GPU") == "1"
-    first = 0 if share else local_world
+    first = 0 if sync.shared_gpu(cfg) else local_world  # engines on the trainer's GPU?
     if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
         die("colocate runs 1 trainer rank and 1 engine with tensor_parallel_size=1 on one GPU: "
             "--nproc_per_node=1 --rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
     if leader and first + E * tp > len(gpus):
         die(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} need more than "
-            f"the {len(gpus)} GPUs of this node: fewer trainer ranks or --rollout_engines, or "
-            "--colocate")
+            f"this node's {len(gpus)} GPUs: fewer ranks or --rollout_engines, or --colocate")
     return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if leader else [], 0
 
 
 def spawn(cfg, engine_gpus, first, engines, host, plan):
     """This node's engines, numbered from first: processes, not torchrun ranks."""
-    import torch
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # for sync
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # its core in-process: per-token tags
@@ -83,7 +79,7 @@ def watch(cfg, rank, world, local_world, nodes, engines=()):
     peers.update({f"beat{e}": f"rollout process {e} (node {e // E})" for e in range(E * nodes)})
     return sync.Heartbeat(os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["rollout_port"],
                           f"rank{rank}", peers, cfg["start_timeout_s"], cfg["timeout_s"],
-                          lambda store: report_exits(engines, node * E, node))
+                          lambda: report_exits(engines, node * E, node))
 
 
 class Fleet:  # rank 0's end of every engine
@@ -108,16 +104,15 @@ class Fleet:  # rank 0's end of every engine
             self.procs = spawn(cfg, engine_gpus, 0, self.engines, host, plan)
             joined = [f"joined{e}" for e in range(self.engines)]
             if not self.wait(lambda: self.store.check(joined), cfg["start_timeout_s"]):
-                raise TimeoutError(f"the engines did not start in start_timeout_s="
-                                   f"{cfg['start_timeout_s']} s")
+                raise TimeoutError(f"engines not up in start_timeout_s={cfg['start_timeout_s']} s")
         except (RuntimeError, TimeoutError) as e:
             kill(self.procs)
             die(str(e))
         ctls, trajs = sync.connect(self.store, 0, self.engines, cfg["timeout_s"])
         self.sender = sync.Sender(self.store, plan, cfg, device, ctls)
-        discard = lambda g: budget.give_back(self.store)  # a stale group's start
+        discard = lambda g: self.store.add("started", -1)  # a stale group's start (budget.py)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
-        self.buffer.dropped = dict(zip(("stale", "flat"), ckpt.get("dropped", [0, 0])))
+        self.buffer.dropped.update(ckpt.get("dropped", {}))
         self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
                           for t in trajs]
         for r in self.receivers:
@@ -151,8 +146,7 @@ class Fleet:  # rank 0's end of every engine
         while self.next in self.done:
             self.done.remove(self.next)
             self.next += 1
-        return {"next": self.next, "done": sorted(self.done),
-                "dropped": [self.buffer.dropped[why] for why in ("stale", "flat")]}
+        return {"next": self.next, "done": sorted(self.done), "dropped": self.buffer.dropped}
 
     def rollout_stats(self):
         """Counters summed; since the last call, the mean share of slots running; mean pause."""

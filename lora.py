@@ -81,8 +81,7 @@ def vllm_name(name):  # PEFT's in the model -> in its saved adapter (vLLM's)
     return "base_model.model." + name.replace(".default", "")
 
 
-def swap(worker, tensors, cfg):
-    """In each vLLM worker: (name, tensor) of the adapter replace the one it serves."""
+def swap(worker, tensors, cfg):  # in a vLLM worker: the adapter in tensors replaces the one served
     import torch
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper

@@ -64,8 +64,7 @@ def pack(groups):
         ids=joined(ids),  # [L] the packed sequence
         pos=joined(pos),  # [L] its positions for RoPE
         keys=joined(keys),  # [K]
-        segments=list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
-                          cu_k[1:].tolist())),  # [(first query, end, first key, end)]
+        segments=np.c_[cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]].tolist(),  # [[q0, q1, k0, k1]]
         cu_q=cu_q.astype(np.int32), cu_k=cu_k.astype(np.int32),  # [S + 1]
         max_q=int(np.diff(cu_q).max()), max_k=int(np.diff(cu_k).max()),  # a segment's longest
         src=joined(src),  # [N], the completions' tokens
@@ -78,8 +77,7 @@ def pack(groups):
         C=C, T=T)
 
 
-def to_device(batch, device):
-    """The arrays to `device`; to a GPU not blocking (that waits for queued work)."""
+def to_device(batch, device):  # the arrays to device; to a GPU not blocking (it waits for work)
     out = dict(batch)
     for k, x in batch.items():
         if isinstance(x, np.ndarray):
@@ -101,8 +99,10 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
     in a segment, its queries at the end of its keys (bottom-right)."""
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
     k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]
-    if varlen_runs(q.device, q.dtype):
-        return varlen(q, k, v, packed, scaling)[None], None
+    if varlen_runs(q.device, q.dtype):  # FlashAttention-2's varlen kernel, grouped-query heads
+        gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}  # torch 2.11 has none
+        return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], packed["max_q"],
+                           packed["max_k"], scale=scaling, window_size=(-1, 0), **gqa)[None], None
     out = torch.empty_like(q)  # else an SDPA call a segment
     for q0, q1, k0, k1 in packed["segments"]:
         causal = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
@@ -111,13 +111,6 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
             *seg, attn_mask=causal.tril(k1 - k0 - (q1 - q0)), scale=scaling,
             enable_gqa=True).transpose(0, 1)
     return out[None], None
-
-
-def varlen(q, k, v, packed, scaling):
-    """torch's FlashAttention-2 varlen kernel: causal bottom-right, grouped-query heads."""
-    gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}  # torch 2.11 has none
-    return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], packed["max_q"], packed["max_k"],
-                       scale=scaling, window_size=(-1, 0), **gqa)
 
 
 AttentionInterface.register("nanoasync_packed", packed_attention)

@@ -92,8 +92,7 @@ OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
        ast.Div: operator.truediv, ast.USub: operator.neg}
 
 
-def calculate(node):
-    """+ - * / and brackets on numbers, walking the parsed expression (never eval)."""
+def calculate(node):  # + - * / and brackets on numbers, walking the parsed expression (no eval)
     if isinstance(node, str):
         node = ast.parse(node.replace(",", "").replace("x", "*").strip(" ="), mode="eval").body
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -104,8 +103,7 @@ def calculate(node):
     raise ValueError(f"not arithmetic: {type(node).__name__}")
 
 
-def calculator_turn(text, answer):
-    """After a model turn: <result>value</result> if it ended in a call, else None."""
+def calculator_turn(text, answer):  # after a turn ending in a call: <result>value</result>
     if not text.endswith(CALL[1]):
         return None
     try:
@@ -150,8 +148,7 @@ def grade_rg(name, text, entry):  # its own scorer, on the last <answer> tags
     return rg_scorer(name)(extract_answer(text), entry)
 
 
-def load_task(cfg):
-    """stop: the text ending a model turn that calls the tool (vLLM stops; turn runs)."""
+def load_task(cfg):  # stop: the text ending a turn that calls the tool (vLLM stops; turn runs)
     turn = stop = None
     if cfg["task"] == "arithmetic":
         (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
@@ -169,8 +166,7 @@ def load_task(cfg):
     return {"train": train, "eval": test, "grade": grade, "turn": turn, "stop": stop}
 
 
-def extract_answer(text):
-    """The last number in the last \\boxed{...}, or in the text if none boxed; else None."""
+def extract_answer(text):  # the last number in the last \boxed{...} (or the text); else None
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
     nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", boxed[-1] if boxed else text)
     return nums[-1].replace(",", "").rstrip(".") if nums else None
@@ -197,7 +193,7 @@ def safely(fn, text, answer):  # -> (a grade's float, a tool's text or None; fai
     try:
         out = fn(text, answer)
         if isinstance(out, str) and len(out) > 10_000:  # a tool's words: more would never fit
-            raise ValueError(f"{len(out)} characters")
+            return None, True
         return (out if out is None or isinstance(out, str) else float(out)), False
     except Exception:
         return None, True
@@ -224,10 +220,6 @@ class Workers:
             workers, initializer=die_with_parent, initargs=((),),
             context=multiprocessing.get_context("spawn"))
         self.running = {}  # future -> key
-
-    @property
-    def busy(self):
-        return bool(self.running)
 
     def submit(self, key, fn, text, answer):
         future = self.pool.schedule(safely, (fn, text, answer), timeout=self.timeout_s)

@@ -185,7 +185,7 @@ class Rollout:
 
     def poll_trainer(self):  # False: stop
         block = not self.engine.has_unfinished_requests()
-        if block and self.workers.busy:
+        if block and self.workers.running:
             self.workers.wait(0.05)  # wakes at the first result
             block = False
         while True:
@@ -200,8 +200,7 @@ class Rollout:
             self.pending = v
             block = False
 
-    def load(self):
-        """Workers copy in the weights received (sync.load); tokens `lag` steps on are theirs."""
+    def load(self):  # workers copy in the weights (sync.load); tokens `lag` steps on are theirs
         t0 = time.perf_counter()
         self.version = self.llm.collective_rpc(sync.load)[0]
         self.pending = None if self.version == self.pending else self.pending
@@ -225,8 +224,7 @@ class Rollout:
             self.idle = mark
 
     # ---- a group's life: admitted, stepped, graded, sent ----
-    def admit(self):
-        """New groups as the budget allows: stream position k is problem perm[k mod N]."""
+    def admit(self):  # groups as the budget allows: stream position k is problem perm[k mod N]
         n_new = self.budget.take(self.version, self.holding)
         N = len(self.train_set)
         positions = []

@@ -37,7 +37,7 @@ class Heartbeat:
     A peer ({key: name}) silent, or still for loop_s, or a lost store, ends us; stop() says bye."""
 
     def __init__(self, host, port, key, peers=(), first_s=DEAD_S, loop_s=FOREVER,
-                 every=lambda store: None):
+                 every=lambda: None):
         self.key, self.peers, self.loop_s = key, dict(peers), loop_s
         self.every = every  # a node leader's report of its engines' exits
         self.last_move = None  # None: we vouch for no loop
@@ -60,7 +60,7 @@ class Heartbeat:
             for n in itertools.count():
                 idle = time.monotonic() - (self.last_move or time.monotonic())
                 store.set(self.key, f"{n} {idle:.0f}")
-                self.every(store)
+                self.every()
                 quiet = {}  # name -> seconds since its count changed
                 for (key, name), beat in zip(self.peers.items(), store.multi_get([*self.peers])):
                     if beat not in (b"", b"bye"):  # begun (rank 0 set all empty), not ended
@@ -160,19 +160,23 @@ def staged(cfg):  # engines receive into a copy as they generate
     return cfg["stage_weights"] and not tp
 
 
-def weight_groups(store, e, rank, world, device, colocate, timeout_s):
+def shared_gpu(cfg):  # trainer and engines on one GPU (bench.py --gpu: gloo carries CUDA tensors)
+    return cfg["colocate"] or os.environ.get("NANOASYNC_SHARE_GPU") == "1"
+
+
+def weight_groups(store, e, rank, device, cfg):
     """Engine e's -> (wake: a push begins; the weights': NCCL on GPU, else gloo)."""
-    wake = gloo(store, f"wake{e}", rank, world, timeout_s if rank == 0 else FOREVER)
-    # NCCL refuses two ranks on one GPU: in a check, gloo carries CUDA tensors
-    if device.type == "cuda" and not colocate and os.environ.get("NANOASYNC_SHARE_GPU") != "1":
+    world = 1 + cfg["tensor_parallel_size"]  # rank 0 and the engine's workers
+    wake = gloo(store, f"wake{e}", rank, world, cfg["timeout_s"] if rank == 0 else FOREVER)
+    if device.type == "cuda" and not shared_gpu(cfg):  # NCCL refuses two ranks on one GPU
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout_s)
+        opts._timeout = timedelta(seconds=cfg["timeout_s"])
         opts.config.max_ctas = 4  # a waiting receive holds its SMs: few
         pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"weights{e}", store), rank, world, opts)
         pg.eager_connect_single_device(device)  # now, not in the first push
         return wake, pg
-    pg = gloo(store, f"weights{e}", rank, world, timeout_s)
-    if colocate:
+    pg = gloo(store, f"weights{e}", rank, world, cfg["timeout_s"])
+    if cfg["colocate"]:
         barrier(pg, device)  # every side mapped the staging copy
     return wake, pg
 
@@ -201,9 +205,7 @@ class Sender:
                 from torch.multiprocessing.reductions import reduce_tensor
                 store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
         store.set("plan", pickle.dumps(plan))  # last: the workers wait for it
-        world = 1 + cfg["tensor_parallel_size"]
-        self.links = [weight_groups(store, e, 0, world, device, self.colocate, cfg["timeout_s"])
-                      for e in range(len(ctls))]
+        self.links = [weight_groups(store, e, 0, device, cfg) for e in range(len(ctls))]
         if self.colocate and device.type == "cpu":  # all mapped: none left after a kill -9
             os.unlink(self.copy.untyped_storage().filename)
         self.cond = threading.Condition()
@@ -293,28 +295,24 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
         copy = fn(*args)
     elif cfg["colocate"] or staged(cfg):
         copy = staging(plan, cfg, device)
-    world = 1 + cfg["tensor_parallel_size"]  # rank 0 and this engine's workers
-    groups = weight_groups(
-        store, e, 1 + worker.rank, world, device, cfg["colocate"], cfg["timeout_s"])
+    groups = weight_groups(store, e, 1 + worker.rank, device, cfg)
     if cfg.get("lora_rank"):  # a zero adapter, the base's outputs, until the first push
         lora.swap(worker, [(n, torch.zeros(shape)) for _, _, ws in plan for n, shape in ws], cfg)
     worker.nanoasync = s = dict(
-        cfg=cfg, copy=copy, plan=plan, device=device, groups=groups, colocate=cfg["colocate"],
-        dtype=getattr(torch, cfg["rollout_dtype"]), timeout_s=cfg["timeout_s"],
+        cfg=cfg, copy=copy, plan=plan, device=device, groups=groups,
         staged=queue.Queue(),  # versions from stage() (or an error)
         loaded=threading.Event())  # load() copied the last: receive the next
     if copy is not None:
         threading.Thread(target=stage, args=(s,), daemon=True).start()
 
 
-def receive(s):
-    """A push into the copy -> its version; paused -> (version, a generator of its buckets)."""
+def receive(s):  # a push into the copy -> its version; paused -> (version, bucket generator)
     if s["device"].type == "cuda":
         torch.cuda.set_device(s["device"])  # a new thread starts on GPU 0
     wake, pg = s["groups"]
     version = torch.zeros(1, dtype=torch.int64)
     wake.allreduce([version]).wait()  # rank 0's version
-    if s["colocate"]:
+    if s["cfg"]["colocate"]:
         barrier(pg, s["device"])  # the trainer wrote it
         return int(version)
     if s["copy"] is None:
@@ -329,7 +327,7 @@ def receive(s):
 
 def received(s):  # paused: a tensor a bucket (vLLM may keep views)
     for _, n, weights in s["plan"]:
-        flat = torch.empty(n, dtype=s["dtype"], device=s["device"])
+        flat = torch.empty(n, dtype=getattr(torch, s["cfg"]["rollout_dtype"]), device=s["device"])
         s["groups"][1].broadcast(flat, 0).wait()  # on a GPU the stream waits, not the host
         yield from weights_in(flat, weights)
 
@@ -352,9 +350,9 @@ def load(worker):  # in each vLLM worker, the engine paused -> the version
         version, weights = receive(s)
     else:
         try:
-            version = s["staged"].get(timeout=s["timeout_s"])
+            version = s["staged"].get(timeout=s["cfg"]["timeout_s"])
         except queue.Empty:
-            raise TimeoutError(f"no weights came in timeout_s={s['timeout_s']} s") from None
+            raise TimeoutError(f"no weights came in timeout_s={s['cfg']['timeout_s']} s") from None
         if isinstance(version, Exception):
             raise RuntimeError(f"receiving weights failed: {version}")
         weights = (w for offset, n, ws in s["plan"]

@@ -14,7 +14,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import buffer
@@ -113,9 +112,8 @@ full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_
 
 def full_weights(dtype=getattr(torch, trainer_dtype)):
     """(name, full tensor), cast before the gather (bf16: half the bytes). All ranks run it."""
-    for name, p in trained:
-        p = p.detach().to(dtype)
-        yield name, p.full_tensor() if isinstance(p, DTensor) else p
+    for name, p in trained:  # each a DTensor (FSDP2)
+        yield name, p.detach().to(dtype).full_tensor()
 
 
 plan = sync.plan(  # each weight's bucket and place in the flat copies (sync.py)
@@ -124,8 +122,7 @@ push_bytes = sum(n for _, n, _ in plan) * getattr(torch, rollout_dtype).itemsize
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 
 
-def save_checkpoint(version):
-    """Every rank gathers; rank 0 writes atomically, with the prompt stream's place."""
+def save_checkpoint(version):  # all gather; rank 0 writes it atomically, with the stream's place
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
@@ -162,8 +159,7 @@ else:
     heartbeat = watch(config, rank, world, local_world, nodes, engines)
 
 
-def push_weights(version):
-    """Every rank gathers the weights; rank 0 hands them to the engines' senders (sync.py)."""
+def push_weights(version):  # all gather; rank 0 hands the weights to the engines' senders (sync.py)
     if master:
         sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
     else:
@@ -171,8 +167,7 @@ def push_weights(version):
             pass
 
 
-def micro_batch(groups, step, n_tok):
-    """Loss and backward of a packed micro-batch -> its share of metrics.SUMS."""
+def micro_batch(groups, step, n_tok):  # loss and backward -> its share of metrics.SUMS
     batch = L.to_device(L.pack(groups), device)
     logp = L.token_logprobs(policy, batch, temperature)  # [C, T]
     adv = L.group_advantages(batch["rewards"], group_size)
@@ -220,8 +215,7 @@ try:
                 torch.set_num_threads(threads + (borrow if engines_idle else 0))
                 borrowed += engines_idle
             sums += micro_batch(groups_i, step, msg["n_tok"])
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
-        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip).full_tensor()
         if not torch.isfinite(grad_norm):  # it would poison the weights: stop
             raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: lower lr or "
                                      "check the data (--resume goes on from the last checkpoint)")

@@ -255,7 +255,7 @@ def test_a_signal_stops_within_seconds_with_a_checkpoint(tiny, tmp_path, sig):
         assert [m["version"] for m in steps] == list(range(1, len(done) + 4))
         assert len(trained) == len(set(trained)) == 4 * len(steps)
         # only stale drops are missing
-        assert len(set(range(ckpt["next"])) - set(trained)) <= ckpt["dropped"][0]
+        assert len(set(range(ckpt["next"])) - set(trained)) <= ckpt["dropped"]["stale"]
 
 
 SIGNAL_IN_PUSH = """import os, signal, sys, time
@@ -546,14 +546,14 @@ def test_a_missing_optional_package_is_a_one_line_error(tiny, tmp_path, arg, mod
     (["--max_staleness=-1"], "max_staleness=-1 must be >= 0"),
     (["--grader_workers=0"], "rollout_engines, tensor_parallel_size and grader_workers must be"),
     (["--model=data/missing"],
-     "model 'data/missing' is not a local model folder and could not be loaded from"),
+     "model 'data/missing' is no local folder, nor loads from the hub"),
     (["--task=gsm8k"], "task 'gsm8k' needs --data_path=FILE.jsonl"),
     (["--task=gsm8k", "--data_path=data/none.jsonl"], "data_path 'data/none.jsonl' not found"),
     (["--task=poetry"], "unknown task 'poetry'"),
     (["--task=rg:poetry"], "Dataset 'poetry' not registered"),
     (["--tracker=mlflow"], "unknown tracker 'mlflow': use wandb, trackio or \"\" (none)"),
     (["--resume", "--out_dir=out/never-written"],
-     "--resume: no checkpoint at out/never-written/ckpt.pt"),
+     "--resume: no out/never-written/ckpt.pt"),
     (["--lora_rank=12"], "lora_rank=12 is none of vLLM's: 1, 8, 16, 32,"),
     (["--lora_rank=8", "--lora_targets=q_proj,nope_proj"], "lora_targets='q_proj,nope_proj': "),
 ])
@@ -572,9 +572,9 @@ def test_bad_files_are_rejected_clearly(tiny, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "q", "answer": "1"}\n{"question": "no answer"}\n')
     for args, message in [([f"--model={tmp_path}/bert"],
-                           "is a 'BertForMaskedLM' model, not a causal language model"),
+                           "is a 'BertForMaskedLM': use a causal (decoder-only) LM"),
                           ([f"--model={tmp_path}/gpt2", "--lora_rank=8"],
-                           "vLLM cannot serve GPT2LMHeadModel with a LoRA adapter"),
+                           "vLLM has no LoRA for GPT2LMHeadModel"),
                           (["--task=gsm8k", f"--data_path={data}"],
                            f"{data}:2: expected a JSON object")]:
         p = subprocess.run([sys.executable, "train.py", "config/tiny.py", *args], cwd=ROOT,
@@ -586,7 +586,7 @@ def test_batch_must_split_over_ranks(tiny, tmp_path):
     p = subprocess.run(command(tmp_path, "--batch_groups=3", nproc=2), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
-    assert "batch_groups=3 is not divisible by the 2 trainer ranks" in p.stderr
+    assert "batch_groups=3: use a multiple of the 2 trainer ranks" in p.stderr
 
 
 def test_a_taken_rollout_port_is_a_clear_error(tiny, tmp_path):

@@ -104,7 +104,7 @@ def test_graders_take_many_answers_per_round_without_spinning():
         done = graders.poll()
         got.update({k: (r, failed) for k, r, failed in done})
         rounds, empty = rounds + 1, empty + (not done)
-    assert not graders.busy
+    assert not graders.running
     graders.close()
     assert all(got[i] == (1.0, False) for i in range(1000))
     assert rounds < 100 and empty <= 2, (rounds, empty)  # one answer per worker a round: 500
