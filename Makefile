@@ -1,6 +1,7 @@
 # `make demo`: set up .venv (CPU) and run the CPU demo.  `make test`: set up .venv (CPU, and the
 # optional packages of requirements-test.txt) and run the tests.
 # `make agent`: the CPU demo with a tool (multi-turn), and the same model without the tool.
+# `make lora`: the CPU demo training a LoRA adapter, the base frozen.
 PY := .venv/bin/python
 
 .venv/.installed: requirements-cpu.txt
@@ -32,8 +33,13 @@ agent: setup
 		--out_dir=out/smollm_calc_no_tool
 	$(PY) plot.py --baseline=out/smollm_calc_no_tool out/smollm_calc
 
+lora: setup
+	$(PY) prepare.py smollm2
+	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_lora.py
+	$(PY) plot.py out/smollm_lora
+
 test: .venv/.test-installed
 	$(PY) prepare.py tiny
 	$(PY) -m pytest -q tests
 
-.PHONY: setup demo agent test
+.PHONY: setup demo agent lora test

@@ -1,8 +1,7 @@
 """budget.py: when an engine may start a group. One started at version v is <= max_staleness old
 when trained if <= allowed(v) = (v - v0 + max_staleness + 1) * batch_groups started since v0, net
-of those dropped: a count in the store, taken by atomic adds (exact). For RESERVE_S after loading
-v an engine takes only its share of what v added (none kept for one 2 versions behind); then the
-rest is anyone's: fair from the start, and none holds another back."""
+of those dropped: a count in the store, taken by atomic adds. For RESERVE_S after loading v an
+engine takes only its share of what v added; then the rest is anyone's: none holds another back."""
 import time
 
 RESERVE_S = 2.0  # after a load, the others' shares stay theirs this long

@@ -1,6 +1,5 @@
-"""buffer.py: rank 0 holds the groups engines sent until the trainer takes them, first in, first
-out, dropping those too stale to train and, with drop_flat, those whose rewards are all equal.
-deal() splits a batch over the ranks. Simplifications: no priority, no replay, no memory cap."""
+"""buffer.py: rank 0 holds the engines' groups, first in, first out, dropping the too stale and
+(drop_flat) the flat; deal() splits a batch over ranks. No priority, no replay, no memory cap."""
 import threading
 import time
 from collections import Counter
@@ -76,8 +75,8 @@ def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 
 
 
 def deal(groups, world_size):
-    """-> each rank's groups: the longest first, each to the rank with the fewest tokens yet (a
-    step lasts as its slowest rank). A flat group (no gradient) only fills a rank with none."""
+    """-> each rank's groups: the longest first, each to the rank with the fewest tokens (a step
+    lasts as its slowest rank); a flat group (no gradient) only fills a rank with none."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for g in sorted([g for g in groups if not is_flat(g)], key=tokens, reverse=True):
         r = load.index(min(load))

@@ -80,10 +80,9 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
     seqs = (cfg["max_staleness"] + 1) * cfg["batch_groups"] * cfg["group_size"]  # budget.py
     engines = cfg["rollout_engines"] * int(os.environ["GROUP_WORLD_SIZE"])
     if seqs < engines * cfg["rollout_seqs"] and os.environ["RANK"] == "0":
-        print(f"warning: the staleness budget, (max_staleness + 1) x batch_groups x group_size = "
-              f"{seqs} sequences, cannot fill {engines} engines x rollout_seqs="
-              f"{cfg['rollout_seqs']}: raise batch_groups or max_staleness, or use fewer engines "
-              f"or rollout_seqs={seqs // engines}", file=sys.stderr)
+        print(f"warning: (max_staleness + 1) x batch_groups x group_size = {seqs} sequences cannot "
+              f"fill {engines} engines x rollout_seqs={cfg['rollout_seqs']}: raise one of those, "
+              f"or use fewer engines or rollout_seqs={seqs // engines}", file=sys.stderr)
     if cfg["tracker"] not in ("", "wandb", "trackio"):
         die(f"unknown tracker {cfg['tracker']!r}: use wandb, trackio or \"\" (none)")
     if cfg["tracker"] and importlib.util.find_spec(cfg["tracker"]) is None:

@@ -29,7 +29,7 @@ def place(cfg, world, local_world, device, leader):
         ours = os.sched_getaffinity(0) - cores
         if cores and not borrow:
             os.sched_setaffinity(0, ours)
-        # a thread a core of ours: OpenMP's default spins on vLLM's
+        # a thread a core of ours (OpenMP's default spins on vLLM's)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or
                                   max(1, len(ours) // local_world)))
         return [[] for _ in range(E)] if leader else [], borrow

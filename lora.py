@@ -1,7 +1,6 @@
-"""lora.py: with lora_rank > 0 the trainer trains low-rank adapters beside the base's linear
-layers (PEFT), the base frozen; only the adapter travels (sync.py), and each engine swaps it into
-vLLM in place between two steps, as it loads full weights. Simplifications: one adapter, no
-dropout; `python prepare.py merge OUT_DIR` merges it into the base, a model folder."""
+"""lora.py: lora_rank > 0 trains a PEFT adapter beside the base's linear layers, the base frozen;
+only the adapter travels (sync.py), and each engine swaps it into vLLM in place between two steps.
+Simplifications: one adapter, no dropout; `prepare.py merge` merges it into the base."""
 from configurator import die
 
 ID = 1  # the adapter's id in vLLM: every request names it
@@ -16,7 +15,7 @@ def settings(cfg):  # PEFT's LoraConfig, and vLLM's
 def add(net, cfg, dtype):
     """Adapters into `net` -> the model; the base frozen in `dtype`: no master copy, no state."""
     from peft import LoraConfig, get_peft_model
-    body = net.model.named_modules()  # not the output layer: loss.py computes it from its weight
+    body = net.model.named_modules()  # not the output layer: loss.py uses its weight
     linear = {n.rpartition(".")[2] for n, m in body if type(m).__name__ == "Linear"}
     if cfg["lora_targets"] != "all-linear" and set(cfg["lora_targets"].split(",")) - linear:
         die(f"lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
@@ -43,7 +42,7 @@ def servable(archs):  # can vLLM serve the model with an adapter?
 
 
 def engine_args(cfg, device):  # LLM()'s keywords
-    if not cfg.get("lora_rank"):  # (bench.py's and the tests' configs may lack it)
+    if not cfg.get("lora_rank"):  # (bench's and tests' configs lack it)
         return {}
     if device == "cpu":
         fast_cpu_ops()
@@ -56,8 +55,8 @@ def request(cfg):  # what every request names; the path is never read
 
 
 def fast_cpu_ops():
-    """vLLM's CPU LoRA ops gather each token its own copy of the weights (3x slower generation
-    here). One adapter, one slot: every token's weights are slot 0's, so a matmul does it."""
+    """vLLM's CPU LoRA ops gather a weight copy per token (3x slower here); with one adapter in
+    one slot every token's weights are slot 0's: one matmul."""
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
@@ -81,7 +80,7 @@ def vllm_name(name):  # PEFT's in the model -> in its saved adapter (vLLM's)
     return "base_model.model." + name.replace(".default", "")
 
 
-def swap(worker, tensors, cfg):  # in a vLLM worker: the adapter in tensors replaces the one served
+def swap(worker, tensors, cfg):  # in a vLLM worker: these replace the adapter it serves
     import torch
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper

@@ -3,8 +3,7 @@
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
   w_i   = the geometric mean of rho_t over completion i, 0 outside [low, high] = [1/8, 3]
   loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
-One optimizer step a batch: a PPO clip would never bind on fresh tokens; the bounds act on stale.
-A micro-batch is one padding-free sequence: each prompt once, then its completions."""
+One optimizer step a batch: a PPO clip would never bind on fresh tokens; the bounds act on stale."""
 import inspect
 import math
 from functools import partial
@@ -34,9 +33,8 @@ def micro_batches(groups, budget):
 
 
 def pack(groups):
-    """A micro-batch as one sequence, attending by segments (a prompt over itself, a completion
-    over its prompt and itself) as varlen FlashAttention wants: `keys`, each one's keys; `cu_q`,
-    `cu_k`, where each starts. Token t of a completion is predicted at `src`: its t - 1."""
+    """A micro-batch as one padding-free sequence of segments (a prompt over itself, a completion
+    over its prompt and itself), as varlen FlashAttention wants. Answer token t: at `src` t - 1."""
     ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: (queries, keys) a segment
     for g in groups:
         P = len(g["prompt_ids"])
@@ -95,8 +93,8 @@ def varlen_runs(device, dtype):  # else a Python loop of SDPA calls, compiled pe
 
 
 def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
-    """HF's attention over pack(): q [1, H, L, D], k, v [1, Hkv, L, D] -> [1, L, H, D], causal
-    in a segment, its queries at the end of its keys (bottom-right)."""
+    """HF's attention over pack(): q [1, H, L, D], k, v [1, Hkv, L, D] -> [1, L, H, D], causal,
+    bottom-right (a segment's queries are its last keys)."""
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
     k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]
     if varlen_runs(q.device, q.dtype):  # FlashAttention-2's varlen kernel, grouped-query heads
@@ -157,8 +155,8 @@ class SampledLogprob(torch.autograd.Function):
 
 
 def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
-    """One forward of pack() -> logp [C, T]. The output layer returns the sampled tokens'
-    logprobs [N], not [L, V] logits (after the body, it would miss FSDP's hooks)."""
+    """One forward of pack() -> logp [C, T]; the output layer gives the sampled tokens' logprobs
+    [N], not [L, V] logits (called after the body, it would miss FSDP's hooks)."""
     head = net.get_output_embeddings()
     packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k", "max_q", "max_k")}
 
@@ -182,22 +180,22 @@ def group_advantages(rewards, group_size):  # no division by the std (results lo
 
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
-    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's, so that micro-batches and ranks
-    add up to its token mean. -> (loss, tokens bounded)"""
+    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks add up to
+    its token mean). -> (loss, tokens bounded)"""
     mask = mask.to(logp.dtype)
-    # a ratio a completion, its tokens' geometric mean (per token did worse)
+    # a ratio a completion, its tokens' geometric mean (per token: worse)
     n = mask.sum(1, keepdim=True).clamp(min=1)
     log_rho = ((logp.detach() - behav) * mask).sum(1, keepdim=True) / n
     bounded = ((log_rho > math.log(high)) | (log_rho < math.log(low))) & (mask > 0)
     w = torch.exp(log_rho) * ~bounded
-    # exp(logp - sg(logp)) is 1 with logp's gradient: value -A w, gradient -A w dlogp
+    # exp(logp - sg(logp)) = 1, with logp's gradient: -A w dlogp
     per_tok = -adv.unsqueeze(1) * w * torch.exp(logp - logp.detach())
     return (per_tok * mask).sum() / n_tokens, bounded
 
 
 def wrap_layers(net, compiled, checkpointing):
-    """Compile each layer's body (fusing the elementwise work, a third of a GPU step at 1.5B),
-    then maybe checkpoint it. Compiling around the checkpoint compiled nothing."""
+    """Compile each layer's body (its elementwise work: a third of a GPU step at 1.5B), then maybe
+    checkpoint it (compiled around the checkpoint, nothing compiled)."""
     for layer in net.model.layers:
         if compiled:
             layer.forward = torch.compile(layer.forward)
@@ -206,8 +204,8 @@ def wrap_layers(net, compiled, checkpointing):
 
 
 def shard(net, dtype, checkpointing=False, compiled=False):
-    """FSDP2 on each layer and the root: fp32 master weights, `dtype` compute. Weights stay
-    gathered through a step (train.py): no collective between micro-batches, 6 B a parameter."""
+    """FSDP2 on each layer and the root, `dtype` compute. Weights stay gathered through a step
+    (train.py): no collective between micro-batches, 6 B a parameter."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     net.set_attn_implementation("nanoasync_packed")
     wrap_layers(net, compiled and varlen_runs(next(net.parameters()).device, dtype), checkpointing)

@@ -16,7 +16,7 @@ def token_sums(loss, bounded, logp, behav, mask, fresh):
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
     whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # a fresh KV cache too
     log_rho = logp.detach() - behav
-    # k3 = rho - 1 - log rho: unbiased for KL(vLLM || trainer), never negative
+    # k3 = rho - 1 - log rho: KL(vLLM || trainer), unbiased, >= 0
     k3 = torch.expm1(log_rho) - log_rho
     parts = (loss.detach(), fresh, bounded & stale, stale, log_rho.abs() * fresh, whole,
              log_rho.abs() * whole, k3 * whole)

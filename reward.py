@@ -1,7 +1,6 @@
-"""reward.py: the tasks, and processes to run their code. A task (load_task): problems (train and
-eval lists of {"id", "prompt", "answer"}), grade(text, answer) -> reward, maybe turn(text, answer)
--> the tool's words (None: final). They run in worker processes, killed past a time limit (sympy
-can spin in C). Simplifications: reward 1 or 0 (rg: its scorer's); a tool's words: plain text."""
+"""reward.py: the tasks (load_task: train and eval problems {"id", "prompt", "answer"}, grade(text,
+answer) -> reward, maybe turn(text, answer) -> the tool's words or None) and the processes they run
+in, killed past a time limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only tools."""
 import ast
 import concurrent.futures
 import ctypes
@@ -119,8 +118,8 @@ def grade_calculator(text, answer):  # the number stated after the last result
 
 
 def reasoning_gym(name, seed, n_eval, n=5000):
-    """Problem k comes from seed + k: train, held-out and the worked example (a small model
-    ignores the <answer> tags without one) take disjoint seeds."""
+    """Problem k from seed + k: train, held-out, the worked example (without one a small model
+    ignores the <answer> tags) from disjoint seeds."""
     try:
         import reasoning_gym as rg
     except ImportError:
@@ -210,8 +209,8 @@ def die_with_parent(ignored=(signal.SIGINT, signal.SIGTERM)):  # and not by thes
 
 
 class Workers:
-    """Grades and tools in processes (pebble's pool): submit() queues fn(text, answer), fn a
-    module's; one past timeout_s is killed with its process. poll() -> [(key, result, failed)]."""
+    """pebble's processes run fn(text, answer) (fn a module's), each killed past timeout_s with its
+    process; poll() -> [(key, result, failed)]."""
 
     def __init__(self, workers=2, timeout_s=5.0):
         import pebble  # its workers ignore SIGINT and exit on SIGTERM: a kill takes no wait

@@ -1,7 +1,6 @@
-"""rollout.py: a process per vLLM engine, stepped by hand, never waiting for the trainer. Between
-steps it loads the weights announced, starts groups (budget.py), hands turns to workers
-(reward.py) and sends graded groups to rank 0. Simplifications: the engine core in this process;
-a group: n=1 requests sharing their prompt's KV cache; no top-k/top-p, no speculative decoding."""
+"""rollout.py: a process per vLLM engine, stepped by hand, never waiting for the trainer: between
+steps it loads weights, starts groups (budget.py), hands turns to workers (reward.py), sends graded
+groups to rank 0. Simplifications: the engine core in-process; n=1 requests; no top-k/p, no spec."""
 import json
 import os
 import queue

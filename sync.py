@@ -1,7 +1,6 @@
-"""sync.py: the wires between trainer and engines, through a TCPStore on rank 0 (the heartbeats'
-too). Each engine has its own groups: ctl (versions), traj (its groups), the weights' (Sender);
-it receives weights into a copy as it generates and pauses only to load it (stage_weights=False,
-or TP on GPUs: paused, a bucket at a time). Simplifications: a fixed layout; one staging copy."""
+"""sync.py: the wires between trainer and engines, through a TCPStore on rank 0 (heartbeats too):
+each engine's ctl (versions), traj (groups), weights (Sender), received into a copy as it generates
+(stage_weights=False, TP on GPUs: paused, by buckets). Simplifications: a fixed layout, one copy."""
 import itertools
 import math
 import os
@@ -33,8 +32,8 @@ def open_store(host, port, master, timeout_s):  # on rank 0's machine
 
 
 class Heartbeat:
-    """A thread: each BEAT_S, `key` in the store gets a count and how long our loop has not moved().
-    A peer ({key: name}) silent, or still for loop_s, or a lost store, ends us; stop() says bye."""
+    """A thread: each BEAT_S `key` gets a count and our loop's idle seconds; a peer ({key: name})
+    silent or idle past loop_s, or a lost store, ends us; stop() says bye."""
 
     def __init__(self, host, port, key, peers=(), first_s=DEAD_S, loop_s=FOREVER,
                  every=lambda: None):
@@ -188,9 +187,8 @@ def barrier(pg, device):
 
 
 class Sender:
-    """Rank 0's end of the weights. Colocated, push() writes the engines' copy. Else it fills a
-    snapshot; a thread per engine sends the newest when its engine is ready (one broadcast to
-    all waited for the slowest). Rank 0 holds the newest, and any a thread still sends."""
+    """Rank 0's end of the weights. Colocated, push() writes the engines' copy; else it fills a
+    snapshot, and a thread per engine sends the newest when its engine is ready (none waits)."""
 
     def __init__(self, store, plan, cfg, device, ctls):
         self.plan = plan
@@ -307,8 +305,8 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
 
 
 def receive(s):  # a push into the copy -> its version; paused -> (version, bucket generator)
-    if s["device"].type == "cuda":
-        torch.cuda.set_device(s["device"])  # a new thread starts on GPU 0
+    if s["device"].type == "cuda":  # a new thread starts on GPU 0
+        torch.cuda.set_device(s["device"])
     wake, pg = s["groups"]
     version = torch.zeros(1, dtype=torch.int64)
     wake.allreduce([version]).wait()  # rank 0's version

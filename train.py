@@ -1,8 +1,7 @@
 """train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`.
-Trainer ranks shard the policy (FSDP2); vLLM engines generate all the time (fleet.py). Step k
-takes a batch (buffer.py), trains version k on it (loss.py), sends the weights (sync.py), logs.
-Simplifications: one optimizer step a batch; constant-lr AdamW; no KL penalty or reference
-model (beta = 0, as in DAPO); rank 0 alone talks to the engines."""
+FSDP2 ranks train; vLLM engines generate all the time (fleet.py). Step k takes a batch (buffer.py),
+trains version k (loss.py), sends the weights (sync.py), logs. Simplifications: one AdamW step a
+batch, constant lr; no KL penalty or reference model (as DAPO); rank 0 alone talks to engines."""
 import json
 import os
 import signal
@@ -103,8 +102,7 @@ policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(dev
 if lora_rank:
     policy = lora.add(policy, config, getattr(torch, trainer_dtype))
 L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing, compile_layers)
-# what the optimizer updates and the engines receive: every weight, or the adapter's
-trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]  # or LoRA's
 optimizer = torch.optim.AdamW([p for _, p in trained], lr=lr, weight_decay=0.0, fused=cuda)
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True,
                               ignore_frozen_params=lora_rank > 0, strict=lora_rank == 0)
