@@ -137,9 +137,7 @@ class SampledLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # d logp(y) / d logits = (onehot(y) - softmax) / T
         h, w, ids = ctx.saved_tensors
-        grad_h = torch.empty_like(h)
-        frozen = not ctx.needs_input_grad[1]  # the output layer, under LoRA
-        grad_w = None if frozen else torch.zeros(w.shape, device=w.device)  # fp32 sums
+        grad_h, grad_w = torch.empty_like(h), None
         for k, i in enumerate(range(0, len(h), ctx.rows)):
             x, y = h[i:i + ctx.rows], ids[i:i + ctx.rows]
             p = ctx.probs[k]  # overwritten: not needed after
@@ -149,9 +147,10 @@ class SampledLogprob(torch.autograd.Function):
             g[torch.arange(len(y), device=g.device), y] += 1
             g = g.mul_(grad[i:i + ctx.rows, None] / ctx.temperature).to(h.dtype)
             grad_h[i:i + ctx.rows] = g @ w
-            if not frozen:
-                grad_w += mm32(g.t(), x)
-        return grad_h, None if frozen else grad_w.to(w.dtype), None, None, None, None
+            if ctx.needs_input_grad[1]:  # not when frozen (LoRA)
+                part = mm32(g.t(), x)  # fp32 sums
+                grad_w = part if grad_w is None else grad_w + part
+        return grad_h, None if grad_w is None else grad_w.to(w.dtype), None, None, None, None
 
 
 def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
