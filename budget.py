@@ -1,10 +1,10 @@
 """budget.py: when an engine may start a group. One started at version v is <= max_staleness old
 when trained if <= allowed(v) = (v - v0 + max_staleness + 1) * batch_groups started since v0, net
-of those dropped: a count in the store, taken by atomic adds. For RESERVE_S after loading v an
-engine takes only its share of what v added; then the rest is anyone's: none holds another back."""
+of drops: a store count, taken by atomic adds. For RESERVE_S after loading v an engine takes only
+its share of what v added, then anyone's: none holds another back."""
 import time
 
-RESERVE_S = 2.0  # after a load, the others' shares stay theirs this long
+RESERVE_S = 2.0  # after a load, the others' shares stay theirs
 LOOK_S = 0.01  # spent: look again at most this often
 
 
@@ -14,9 +14,9 @@ class Budget:
         self.started = 0  # our starts
         self.version = None  # ours, since loaded_at
         self.loaded_at = 0.0
-        self.taken = 0  # our starts since, less flat ones given back
+        self.taken = 0  # our starts since, less those given back
         self.look_at = 0.0  # no store round trip before
-        store.set(f"loaded{e}", str(v0))  # our version, for the others to see
+        store.set(f"loaded{e}", str(v0))  # our version, for the others
 
     def take(self, version, holding):  # -> groups to start now; holding: our slots used
         c, E = self.cfg, self.cfg["engines"]
@@ -29,9 +29,9 @@ class Budget:
             return 0
         allowed = (version - self.v0 + c["max_staleness"] + 1) * c["batch_groups"]
         n = min(free, allowed - int(self.store.add("started", 0)))  # add(key, 0) reads it
-        if now - self.loaded_at < RESERVE_S and E > 1:  # ours only, unless one is behind
+        if now - self.loaded_at < RESERVE_S and E > 1:  # our share, unless one is behind
             loaded = self.store.multi_get([f"loaded{f}" for f in range(E)])
-            if min(map(int, loaded)) >= version - 1:  # the first take the remainder
+            if min(map(int, loaded)) >= version - 1:
                 new = allowed if version == self.v0 else c["batch_groups"]  # v added
                 n = min(n, new // E + (1 if self.e < new % E else 0) - self.taken)
         if n <= 0:
@@ -46,6 +46,6 @@ class Budget:
         self.taken += n
         return n
 
-    def give_back(self):  # a flat group of ours: the trainer skips it, another may start
+    def give_back(self):  # a flat group of ours: skipped, another may start
         self.store.add("started", -1)
         self.taken -= 1

@@ -1,5 +1,5 @@
-"""buffer.py: rank 0 holds the engines' groups, first in, first out, dropping the too stale and
-(drop_flat) the flat; deal() splits a batch over ranks. No priority, no replay, no memory cap."""
+"""buffer.py: rank 0 holds the engines' groups, FIFO, dropping the too stale and (drop_flat) the
+flat; deal() splits a batch over ranks. No priority, no replay, no memory cap."""
 import threading
 import time
 from collections import Counter
@@ -9,16 +9,16 @@ from reward import is_flat
 
 
 class Stopped(Exception):
-    """Ctrl-C, SIGTERM (torchrun signals every rank), a stall: stop at the step boundary."""
+    """Ctrl-C, SIGTERM (to every rank), a stall: stop at the step boundary."""
 
 
 class Buffer:
     def __init__(self, max_staleness, drop_flat, on_discard=lambda group: None, stall_s=0):
         self.max_staleness = max_staleness
         self.drop_flat = drop_flat
-        self.on_discard = on_discard  # a stale group's start back to the budget
+        self.on_discard = on_discard  # a stale group's start back (budget.py)
         self.stall_s = stall_s  # > 0: this long with nothing usable: stop
-        self.groups = []  # as they came; an exception: its producer died
+        self.groups = []  # as they came; an exception: its sender died
         self.cond = threading.Condition()
         self.dropped = {"stale": 0, "flat": 0}  # over the run
 
@@ -31,7 +31,7 @@ class Buffer:
         """-> (n_groups usable, every group taken out, seconds waited); report()s as it waits."""
         check_alive()
         batch, seen = [], []
-        dropped, reported = [], 0  # since the last usable one; how many reported
+        dropped, reported = [], 0  # since the last usable one; of them reported
         start = told = usable = time.perf_counter()  # usable: when one last came
         while len(batch) < n_groups:
             with self.cond:
@@ -44,10 +44,10 @@ class Buffer:
                                f"{n_groups} groups), {describe(dropped)}", dropped[reported:])
                         told, reported = now, len(dropped)
                     if self.stall_s and now - usable > self.stall_s:
-                        raise Stopped(f"nothing usable came in stall_s={self.stall_s} s "
-                                      f"({describe(dropped)}); try an easier task or a "
-                                      "stronger model, --drop_flat=False, or check that the "
-                                      "grader reads the answers in samples.jsonl")
+                        raise Stopped(
+                            f"nothing usable came in stall_s={self.stall_s} s ({describe(dropped)})"
+                            "; an easier task or stronger model, --drop_flat=False, or check the "
+                            "grader on samples.jsonl")
                 g = self.groups.pop(0)
             if isinstance(g, Exception):
                 raise g
@@ -76,7 +76,7 @@ def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 
 
 def deal(groups, world_size):
     """-> each rank's groups: the longest first, each to the rank with the fewest tokens (a step
-    lasts as its slowest rank); a flat group (no gradient) only fills a rank with none."""
+    lasts as its slowest rank); a flat group only fills a rank with none."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for g in sorted([g for g in groups if not is_flat(g)], key=tokens, reverse=True):
         r = load.index(min(load))

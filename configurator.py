@@ -1,5 +1,5 @@
 """configurator.py: config files (config/*.py), then --key=value, override train.py's defaults,
-each keeping its type; check() validates the rest. A mistake stops, saying why."""
+types kept; check() validates the rest. A mistake stops, saying why."""
 import ast
 import difflib
 import importlib.util
@@ -22,10 +22,10 @@ def _set(cfg, key, value, origin):
     want, got = type(cfg[key]), type(value)
     if got is not want and not (want is float and got is int):
         die(f"config key {key!r} in {origin} must be {want.__name__}, got {got.__name__} {value!r}")
-    cfg[key] = want(value)  # an int for a float: promoted
+    cfg[key] = want(value)  # int -> float
 
 
-def apply(scope, argv):  # -> scope's config (train.py's globals) with argv
+def apply(scope, argv):  # -> train.py's globals, argv applied
     cfg = {k: v for k, v in scope.items() if k[0] != "_" and isinstance(v, (int, float, str))}
     for arg in argv:
         if not arg.startswith("--"):
@@ -40,7 +40,7 @@ def apply(scope, argv):  # -> scope's config (train.py's globals) with argv
         if not eq and want is not bool:
             die(f"{arg!r} has no value: write --{key}=VALUE")
         try:
-            value = ast.literal_eval(text if eq else "True")  # a bare --flag switches a bool on
+            value = ast.literal_eval(text if eq else "True")  # a bare --flag: True
         except (ValueError, SyntaxError):
             value = text  # a string: --model=data/tiny
         if want is str and type(value) is not str:
@@ -50,7 +50,7 @@ def apply(scope, argv):  # -> scope's config (train.py's globals) with argv
     return cfg
 
 
-def resolve_model(name):  # -> name, a local folder, or the hub's copy
+def resolve_model(name):  # -> a local folder, or the hub's copy
     make = "`python prepare.py tiny|smollm2` makes one offline"
     if os.path.isdir(name):
         if not os.path.isfile(f"{name}/config.json"):
@@ -80,9 +80,9 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
     seqs = (cfg["max_staleness"] + 1) * cfg["batch_groups"] * cfg["group_size"]  # budget.py
     engines = cfg["rollout_engines"] * int(os.environ["GROUP_WORLD_SIZE"])
     if seqs < engines * cfg["rollout_seqs"] and os.environ["RANK"] == "0":
-        print(f"warning: (max_staleness + 1) x batch_groups x group_size = {seqs} sequences cannot "
+        print(f"warning: (max_staleness + 1) x batch_groups x group_size = {seqs} sequences can't "
               f"fill {engines} engines x rollout_seqs={cfg['rollout_seqs']}: raise one of those, "
-              f"or use fewer engines or rollout_seqs={seqs // engines}", file=sys.stderr)
+              f"or fewer engines or rollout_seqs={seqs // engines}", file=sys.stderr)
     if cfg["tracker"] not in ("", "wandb", "trackio"):
         die(f"unknown tracker {cfg['tracker']!r}: use wandb, trackio or \"\" (none)")
     if cfg["tracker"] and importlib.util.find_spec(cfg["tracker"]) is None:
@@ -98,7 +98,7 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
         die(f"lora_rank={cfg['lora_rank']} is none of vLLM's: 1, 8, 16, 32, 64, 128, 256, 320, 512")
     if cfg["lora_rank"] and not lora.servable(archs):
         die(f"vLLM has no LoRA for {'/'.join(archs) or kind}: --lora_rank=0 trains every weight")
-    try:  # the engines load it too; its errors are clearer here
+    try:  # the engines load it too; errors are clearer here
         reward.load_task(cfg)
     except (OSError, ValueError, KeyError) as e:
         die(str(e))

@@ -1,4 +1,4 @@
-"""fleet.py: the engines, as the trainer sees them: place() (GPUs or cores), spawn(), watch()
+"""fleet.py: the trainer's view of the engines: place() (GPUs or cores), spawn(), watch()
 (each rank's heartbeat); on rank 0 Fleet: the store, the wires, a Buffer of what they send."""
 import json
 import os
@@ -16,8 +16,8 @@ import sync
 from buffer import Buffer, Stopped
 from configurator import die
 
-TORCHRUN_ENV = ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK "
-                "ROLE_RANK ROLE_WORLD_SIZE GROUP_WORLD_SIZE OMP_NUM_THREADS").split()
+TORCHRUN_ENV = """RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK
+ROLE_RANK ROLE_WORLD_SIZE GROUP_WORLD_SIZE OMP_NUM_THREADS""".split()
 
 
 def place(cfg, world, local_world, device, leader):
@@ -30,24 +30,23 @@ def place(cfg, world, local_world, device, leader):
         if cores and not borrow:
             os.sched_setaffinity(0, ours)
         # a thread a core of ours (OpenMP's default spins on vLLM's)
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or
-                                  max(1, len(ours) // local_world)))
+        torch.set_num_threads(
+            int(os.environ.get("OMP_NUM_THREADS") or max(1, len(ours) // local_world)))
         return [[] for _ in range(E)] if leader else [], borrow
     torch.cuda.set_device(device)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(g) for g in range(torch.cuda.device_count())]
     first = 0 if sync.shared_gpu(cfg) else local_world  # engines on the trainer's GPU?
     if leader and cfg["colocate"] and world * E * tp != 1:  # CUDA IPC: one device
-        die("colocate runs 1 trainer rank and 1 engine with tensor_parallel_size=1 on one GPU: "
-            "--nproc_per_node=1 --rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
+        die("--colocate needs 1 trainer rank and 1 engine on one GPU: --nproc_per_node=1 "
+            "--rollout_engines=1 --tensor_parallel_size=1, or no --colocate")
     if leader and first + E * tp > len(gpus):
-        die(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} need more than "
-            f"this node's {len(gpus)} GPUs: fewer ranks or --rollout_engines, or --colocate")
+        die(f"{local_world} trainer ranks + {E} engines x tensor_parallel_size={tp} exceed this "
+            f"node's {len(gpus)} GPUs: fewer ranks or --rollout_engines, or --colocate")
     return [gpus[first + e * tp:first + (e + 1) * tp] for e in range(E)] if leader else [], 0
 
 
-def spawn(cfg, engine_gpus, first, engines, host, plan):
-    """This node's engines, numbered from first: processes, not torchrun ranks."""
+def spawn(cfg, engine_gpus, first, engines, host, plan):  # this node's engines, from first
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # for sync
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # its core in-process: per-token tags
@@ -61,7 +60,7 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):
         size = sum(n for _, n, _ in plan) * getattr(torch, cfg["rollout_dtype"]).itemsize
         share -= size / torch.cuda.get_device_properties().total_memory
         if share < 0.05:
-            die(f"the weights' staging copy ({size / 2**30:.1f} GiB) leaves vLLM too little of "
+            die(f"the staging copy ({size / 2**30:.1f} GiB) leaves vLLM too little of "
                 f"gpu_memory_utilization={cfg['gpu_memory_utilization']}: raise it, or "
                 "--stage_weights=False (paused pushes, no copy)")
     cfg = json.dumps(dict(cfg, engines=engines, host=host, gpu_memory_utilization=share))
@@ -70,34 +69,33 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):
             for e, gpus in enumerate(engine_gpus)]
 
 
-def watch(cfg, rank, world, local_world, nodes, engines=()):
-    """Rank `rank`'s heartbeat, watching the other ranks, the engines, `engines`' exits."""
+def watch(cfg, rank, world, local_world, nodes, engines=()):  # a rank's heartbeat (sync.py)
     E = cfg["rollout_engines"]
     node = rank // local_world
     peers = {f"rank{r}": f"trainer rank {r} (node {r // local_world})"
              for r in range(world) if r != rank}
     peers.update({f"beat{e}": f"rollout process {e} (node {e // E})" for e in range(E * nodes)})
-    return sync.Heartbeat(os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["rollout_port"],
-                          f"rank{rank}", peers, cfg["start_timeout_s"], cfg["timeout_s"],
-                          lambda: report_exits(engines, node * E, node))
+    return sync.Heartbeat(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["rollout_port"], f"rank{rank}", peers,
+        cfg["start_timeout_s"], cfg["timeout_s"], lambda: report_exits(engines, node * E, node))
 
 
-class Fleet:  # rank 0's end of every engine
+class Fleet:  # rank 0's end of each engine
     def __init__(self, cfg, plan, device, engine_gpus, ckpt, stop_requested, nodes=1, world=1,
                  local_world=1):
         self.engines = cfg["rollout_engines"] * nodes
         self.stop_requested = stop_requested  # -> signals received
         self.evals = []  # engine 0's, as they finish
         self.stats = {}  # engine -> its last counters
-        self.last = {}  # the counters at the last rollout_stats()
+        self.last = {}  # counters at the last rollout_stats()
         self.done = set(ckpt.get("done", []))  # stream positions taken
-        self.next = ckpt.get("next", 0)  # every position below it too
+        self.next = ckpt.get("next", 0)  # each position below it too
         self.procs = []  # node 0's engines
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         try:  # a port taken, an engine dead
             self.store = sync.open_store(host, cfg["rollout_port"], True, cfg["timeout_s"])
-            self.store.set("start", json.dumps({"version": ckpt.get("version", 0),
-                                                "next": self.next, "done": sorted(self.done)}))
+            self.store.set("start", json.dumps(
+                {"version": ckpt.get("version", 0), "next": self.next, "done": sorted(self.done)}))
             keys = [f"rank{r}" for r in range(world)] + [f"beat{e}" for e in range(self.engines)]
             self.store.multi_set(keys, [""] * len(keys))  # no heartbeat yet
             self.heartbeat = watch(cfg, 0, world, local_world, nodes)
@@ -113,8 +111,8 @@ class Fleet:  # rank 0's end of every engine
         discard = lambda g: self.store.add("started", -1)  # a stale group's start (budget.py)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped.update(ckpt.get("dropped", {}))
-        self.receivers = [threading.Thread(target=self.receive, args=(t,), daemon=True)
-                          for t in trajs]
+        self.receivers = [
+            threading.Thread(target=self.receive, args=(t,), daemon=True) for t in trajs]
         for r in self.receivers:
             r.start()
 
@@ -125,7 +123,7 @@ class Fleet:  # rank 0's end of every engine
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
                 raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
-                                   f"{p.returncode}; its output, if any, is above")
+                                   f"{p.returncode}; its output is above")
 
     def receive(self, traj):  # a thread an engine, until its bye
         try:
@@ -138,7 +136,7 @@ class Fleet:  # rank 0's end of every engine
         except Exception as e:
             self.buffer.put(RuntimeError(f"lost a rollout process: {e}"))
 
-    def idle(self, version):  # borrow_cpus: every engine waits
+    def idle(self, version):  # borrow_cpus: each engine waits
         mark = str(version).encode()
         return all(self.store.get(f"idle{e}") == mark for e in range(len(self.procs)))
 
@@ -166,7 +164,7 @@ class Fleet:  # rank 0's end of every engine
             time.sleep(0.1)
         return done()
 
-    def stop(self, timeout_s):  # every engine says bye; ours exit
+    def stop(self, timeout_s):  # each engine says bye; ours exit
         self.sender.stop(timeout_s)
         for r in self.receivers:
             r.join(timeout_s)

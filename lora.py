@@ -1,9 +1,9 @@
-"""lora.py: lora_rank > 0 trains a PEFT adapter beside the base's linear layers, the base frozen;
-only the adapter travels (sync.py), and each engine swaps it into vLLM in place between two steps.
+"""lora.py: lora_rank > 0 trains a PEFT adapter on the frozen base's linear layers;
+only the adapter travels (sync.py); each engine swaps it in place between steps.
 Simplifications: one adapter, no dropout; `prepare.py merge` merges it into the base."""
 from configurator import die
 
-ID = 1  # the adapter's id in vLLM: every request names it
+ID = 1  # in vLLM: every request names it
 
 
 def settings(cfg):  # PEFT's LoraConfig, and vLLM's
@@ -12,10 +12,9 @@ def settings(cfg):  # PEFT's LoraConfig, and vLLM's
             "target_modules": targets if targets == "all-linear" else targets.split(",")}
 
 
-def add(net, cfg, dtype):
-    """Adapters into `net` -> the model; the base frozen in `dtype`: no master copy, no state."""
+def add(net, cfg, dtype):  # adapters in -> the model; base frozen in dtype, no fp32 copy
     from peft import LoraConfig, get_peft_model
-    body = net.model.named_modules()  # not the output layer: loss.py uses its weight
+    body = net.model.named_modules()  # not the head: loss.py uses its weight
     linear = {n.rpartition(".")[2] for n, m in body if type(m).__name__ == "Linear"}
     if cfg["lora_targets"] != "all-linear" and set(cfg["lora_targets"].split(",")) - linear:
         die(f"lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
@@ -35,28 +34,28 @@ def save(tensors, cfg, out_dir):  # the adapter, as PEFT saves it
     save_file(tensors, f"{out_dir}/adapter_model.safetensors")
 
 
-def servable(archs):  # can vLLM serve the model with an adapter?
+def servable(archs):  # can vLLM serve the model with LoRA?
     from vllm.model_executor.models.interfaces import supports_lora
     from vllm.model_executor.models.registry import ModelRegistry
     return any(supports_lora(ModelRegistry._try_load_model_cls(a)) for a in archs)
 
 
 def engine_args(cfg, device):  # LLM()'s keywords
-    if not cfg.get("lora_rank"):  # (bench's and tests' configs lack it)
+    if not cfg.get("lora_rank"):  # (bench's, tests' configs lack it)
         return {}
     if device == "cpu":
         fast_cpu_ops()
     return dict(enable_lora=True, max_loras=1, max_lora_rank=cfg["lora_rank"])
 
 
-def request(cfg):  # what every request names; the path is never read
+def request(cfg):  # every request names it; the path is never read
     from vllm.lora.request import LoRARequest
     return LoRARequest("policy", ID, "in-memory") if cfg.get("lora_rank") else None
 
 
 def fast_cpu_ops():
     """vLLM's CPU LoRA ops gather a weight copy per token (3x slower here); with one adapter in
-    one slot every token's weights are slot 0's: one matmul."""
+    one slot, every token uses slot 0: one matmul."""
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
@@ -76,11 +75,11 @@ def fast_cpu_ops():
         m.bgmv_shrink, m.bgmv_expand, m.bgmv_expand_slice = shrink, expand, expand_slice
 
 
-def vllm_name(name):  # PEFT's in the model -> in its saved adapter (vLLM's)
+def vllm_name(name):  # PEFT's name in the model -> the saved adapter's
     return "base_model.model." + name.replace(".default", "")
 
 
-def swap(worker, tensors, cfg):  # in a vLLM worker: these replace the adapter it serves
+def swap(worker, tensors, cfg):  # in a vLLM worker: these replace its adapter
     import torch
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper

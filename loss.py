@@ -1,9 +1,9 @@
-"""loss.py: the trainer's logprobs of the sampled tokens, and the GRPO loss on stale samples.
+"""loss.py: the trainer's logprobs of sampled tokens, and the GRPO loss on stale samples.
   A_i   = r_i - mean(r of the group)
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
   w_i   = the geometric mean of rho_t over completion i, 0 outside [low, high] = [1/8, 3]
   loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
-One optimizer step a batch: a PPO clip would never bind on fresh tokens; the bounds act on stale."""
+One optimizer step a batch: a PPO clip never binds on fresh tokens; the bounds act on stale."""
 import inspect
 import math
 from functools import partial
@@ -20,8 +20,7 @@ def tokens(group):  # its length packed in a micro-batch
     return len(group["prompt_ids"]) + sum(len(c["ids"]) - 1 for c in group["completions"])
 
 
-def micro_batches(groups, budget):
-    """Consecutive groups, at most `budget` packed tokens each (a larger group alone)."""
+def micro_batches(groups, budget):  # consecutive groups, <= budget packed tokens (or one)
     batches, size = [[]], 0
     for g in groups:
         if batches[-1] and size + tokens(g) > budget:
@@ -34,7 +33,7 @@ def micro_batches(groups, budget):
 
 def pack(groups):
     """A micro-batch as one padding-free sequence of segments (a prompt over itself, a completion
-    over its prompt and itself), as varlen FlashAttention wants. Answer token t: at `src` t - 1."""
+    over its prompt and itself) for varlen FlashAttention. Answer token t: at `src` t - 1."""
     ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: (queries, keys) a segment
     for g in groups:
         P = len(g["prompt_ids"])
@@ -60,12 +59,12 @@ def pack(groups):
         [np.pad(np.asarray(c[key], dtype), (0, T - len(c[key]))) for c in comps])
     return dict(
         ids=joined(ids),  # [L] the packed sequence
-        pos=joined(pos),  # [L] its positions for RoPE
+        pos=joined(pos),  # [L] RoPE positions
         keys=joined(keys),  # [K]
-        segments=np.c_[cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]].tolist(),  # [[q0, q1, k0, k1]]
+        segments=np.c_[cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]].tolist(),
         cu_q=cu_q.astype(np.int32), cu_k=cu_k.astype(np.int32),  # [S + 1]
         max_q=int(np.diff(cu_q).max()), max_k=int(np.diff(cu_k).max()),  # a segment's longest
-        src=joined(src),  # [N], the completions' tokens
+        src=joined(src),  # [N] the completions' tokens
         targets=joined([c["ids"] for c in comps]),  # [N]
         at=joined([c * T + np.arange(len(comps[c]["ids"])) for c in range(C)]),  # in C x T
         behav=padded("logprobs", np.float32),  # [C, T] vLLM's, 0 past the end
@@ -75,7 +74,7 @@ def pack(groups):
         C=C, T=T)
 
 
-def to_device(batch, device):  # the arrays to device; to a GPU not blocking (it waits for work)
+def to_device(batch, device):  # to a GPU not blocking (it waits for work)
     out = dict(batch)
     for k, x in batch.items():
         if isinstance(x, np.ndarray):
@@ -97,13 +96,13 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
     bottom-right (a segment's queries are its last keys)."""
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
     k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]
-    if varlen_runs(q.device, q.dtype):  # FlashAttention-2's varlen kernel, grouped-query heads
+    if varlen_runs(q.device, q.dtype):  # FlashAttention-2, grouped-query heads
         gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}  # torch 2.11 has none
         return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], packed["max_q"],
                            packed["max_k"], scale=scaling, window_size=(-1, 0), **gqa)[None], None
     out = torch.empty_like(q)  # else an SDPA call a segment
     for q0, q1, k0, k1 in packed["segments"]:
-        causal = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
+        causal = q.new_ones(q1 - q0, k1 - k0, dtype=torch.bool)
         seg = [x.transpose(0, 1) for x in (q[q0:q1], k[k0:k1], v[k0:k1])]  # [heads, n, D]
         out[q0:q1] = F.scaled_dot_product_attention(
             *seg, attn_mask=causal.tril(k1 - k0 - (q1 - q0)), scale=scaling,
@@ -154,7 +153,7 @@ class SampledLogprob(torch.autograd.Function):
 
 
 def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
-    """One forward of pack() -> logp [C, T]; the output layer gives the sampled tokens' logprobs
+    """One forward of pack() -> logp [C, T]; the head gives the sampled tokens' logprobs
     [N], not [L, V] logits (called after the body, it would miss FSDP's hooks)."""
     head = net.get_output_embeddings()
     packed = {k: batch[k] for k in ("keys", "segments", "cu_q", "cu_k", "max_q", "max_k")}
@@ -169,32 +168,32 @@ def token_logprobs(net, batch, temperature, rows=1024, keep_mb=2048):
                  packed=packed).logits
     finally:
         del head.forward
-    logp = torch.zeros(batch["C"] * batch["T"], device=lp.device, dtype=lp.dtype)
+    logp = lp.new_zeros(batch["C"] * batch["T"])
     return logp.index_put((batch["at"],), lp).view(batch["C"], batch["T"])
 
 
-def group_advantages(rewards, group_size):  # no division by the std (results log)
+def group_advantages(rewards, group_size):  # not divided by the std (results log)
     r = rewards.view(-1, group_size)
-    return (r - r.mean(dim=1, keepdim=True)).reshape(-1)
+    return (r - r.mean(1, keepdim=True)).reshape(-1)
 
 
 def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
-    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks add up to
-    its token mean). -> (loss, tokens bounded)"""
+    """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks sum to its
+    token mean) -> (loss, tokens bounded)"""
     mask = mask.to(logp.dtype)
     # a ratio a completion, its tokens' geometric mean (per token: worse)
     n = mask.sum(1, keepdim=True).clamp(min=1)
     log_rho = ((logp.detach() - behav) * mask).sum(1, keepdim=True) / n
     bounded = ((log_rho > math.log(high)) | (log_rho < math.log(low))) & (mask > 0)
-    w = torch.exp(log_rho) * ~bounded
+    w = log_rho.exp() * ~bounded
     # exp(logp - sg(logp)) = 1, with logp's gradient: -A w dlogp
-    per_tok = -adv.unsqueeze(1) * w * torch.exp(logp - logp.detach())
+    per_tok = -adv[:, None] * w * (logp - logp.detach()).exp()
     return (per_tok * mask).sum() / n_tokens, bounded
 
 
 def wrap_layers(net, compiled, checkpointing):
-    """Compile each layer's body (its elementwise work: a third of a GPU step at 1.5B), then maybe
-    checkpoint it (compiled around the checkpoint, nothing compiled)."""
+    """Compile each layer's body (elementwise work: a third of a GPU step at 1.5B), then maybe
+    checkpoint it (compiled around a checkpoint, nothing is)."""
     for layer in net.model.layers:
         if compiled:
             layer.forward = torch.compile(layer.forward)

@@ -6,12 +6,10 @@ import time
 from statistics import fmean as mean
 
 # per-token sums over a rank's micro-batches, all-reduced a step
-SUMS = ("loss", "fresh", "bounded_stale", "stale", "shift_fresh", "whole", "shift_whole",
-        "k3_whole")
+SUMS = "loss fresh bounded_stale stale shift_fresh whole shift_whole k3_whole".split()
 
 
-def token_sums(loss, bounded, logp, behav, mask, fresh):
-    """A micro-batch's share of SUMS; fresh: the tokens the trained weights sampled."""
+def token_sums(loss, bounded, logp, behav, mask, fresh):  # a micro-batch's share of SUMS
     import torch
     fresh, stale = fresh & (mask > 0), ~fresh & (mask > 0)
     whole = fresh & (fresh | (mask == 0)).all(1, keepdim=True)  # a fresh KV cache too
@@ -51,26 +49,26 @@ class Log:
         return {"gen_tokens": self.gen_tokens, "elapsed_s": time.perf_counter() - self.t_start}
 
     def step(self, step, groups, seen, sums, fleet, **extra):
-        """groups: the batch; seen: every group taken from the buffer; sums: SUMS."""
+        """groups: the batch; seen: all taken from the buffer; sums: SUMS."""
         s = dict(zip(SUMS, sums))
         comps = [c for g in groups for c in g["completions"]]
-        taken = [c for g in seen for c in g["completions"]]  # the dropped ones too
+        taken = [c for g in seen for c in g["completions"]]  # dropped ones too
         stale = [step - int(c["versions"].min()) for c in comps]
         n = [len(c["ids"]) for c in comps]
         self.gen_tokens += int(sum(c["mask"].sum() for c in taken))
         m = {"step": step, "version": step + 1, "samples": (step + 1) * len(comps),
-             "reward_mean": mean([c["reward"] for c in taken]), "response_len_mean": mean(n),
+             "reward_mean": mean(c["reward"] for c in taken), "response_len_mean": mean(n),
              "staleness_mean": mean(stale), "staleness_max": max(stale),
              "engine_groups": [sum(g["engine"] == e for g in groups) for e in range(fleet.engines)],
              # the health metric: a jump means wrong weights or sampling
              "loss": s["loss"], "logprob_mismatch": ratio(s["shift_whole"], s["whole"]),
              "logprob_kl_k3": ratio(s["k3_whole"], s["whole"]),
              # fresh tokens over older weights' KV cache (across a load)
-             "logprob_shift_reloaded": ratio(s["shift_fresh"] - s["shift_whole"],
-                                             s["fresh"] - s["whole"]),
+             "logprob_shift_reloaded": ratio(
+                 s["shift_fresh"] - s["shift_whole"], s["fresh"] - s["whole"]),
              "bounded_frac_stale": ratio(s["bounded_stale"], s["stale"]),
-             "cut_frac": mean([c["cut"] for c in comps]),  # at max_new_tokens
-             "turns_mean": mean([c["turns"] for c in comps]),  # tool calls + 1
+             "cut_frac": mean(c["cut"] for c in comps),  # at max_new_tokens
+             "turns_mean": mean(c["turns"] for c in comps),  # tool calls + 1
              "env_token_frac": 1 - sum(c["mask"].sum() for c in comps) / sum(n),
              "train_tokens_per_s": (s["fresh"] + s["stale"]) / extra["t_train_s"],
              **{f"dropped_{why}": n for why, n in fleet.buffer.dropped.items()},

@@ -1,6 +1,6 @@
-"""reward.py: the tasks (load_task: train and eval problems {"id", "prompt", "answer"}, grade(text,
-answer) -> reward, maybe turn(text, answer) -> the tool's words or None) and the processes they run
-in, killed past a time limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only tools."""
+"""reward.py: tasks (load_task: train/eval problems {"id", "prompt", "answer"}, grade(text, answer)
+-> reward, maybe turn(text, answer) -> tool words or None), run in processes killed past a time
+limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only tools."""
 import ast
 import concurrent.futures
 import ctypes
@@ -43,8 +43,7 @@ def read_jsonl(path):
     return rows
 
 
-def gsm8k(data_path, seed, n_eval, instruction=BOXED):
-    """data_path: a jsonl file, or a hub dataset id (openai/gsm8k: its test split held out)."""
+def gsm8k(data_path, seed, n_eval, instruction=BOXED):  # a jsonl, or a hub id (its test held)
     if data_path.endswith(".jsonl") and not os.path.isfile(data_path):  # a hub id has a "/" too
         raise ValueError(f"data_path {data_path!r} not found: point --data_path= at {JSONL_HINT}")
     if not data_path:
@@ -73,8 +72,7 @@ WORDS = ["Each of {a} boxes holds {b} pens. How many pens are there?",
 SHOT = ("A farm has 125 cows and buys 37 more. How many cows does it have?", "125 + 37", 162)
 
 
-def calculator(seed, n_eval, tool=True, n=5000):
-    """Products too large for a small model's head, in words, after a worked sum."""
+def calculator(seed, n_eval, tool=True, n=5000):  # products too big for one's head
     q, expr, value = SHOT
     shown = f"{CALL[0]}{expr}{CALL[1]}<result>{value}</result>" if tool else f"{expr} = {value}."
     chat = [{"role": "user", "content": q},
@@ -91,7 +89,7 @@ OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
        ast.Div: operator.truediv, ast.USub: operator.neg}
 
 
-def calculate(node):  # + - * / and brackets on numbers, walking the parsed expression (no eval)
+def calculate(node):  # + - * / and brackets, walking the AST (no eval)
     if isinstance(node, str):
         node = ast.parse(node.replace(",", "").replace("x", "*").strip(" ="), mode="eval").body
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -113,13 +111,13 @@ def calculator_turn(text, answer):  # after a turn ending in a call: <result>val
     return f"<result>{v}</result>"
 
 
-def grade_calculator(text, answer):  # the number stated after the last result
+def grade_calculator(text, answer):  # the number after the last result
     return grade_number(text.rpartition("</result>")[2], answer)
 
 
 def reasoning_gym(name, seed, n_eval, n=5000):
     """Problem k from seed + k: train, held-out, the worked example (without one a small model
-    ignores the <answer> tags) from disjoint seeds."""
+    ignores <answer> tags) from disjoint seeds."""
     try:
         import reasoning_gym as rg
     except ImportError:
@@ -131,13 +129,13 @@ def reasoning_gym(name, seed, n_eval, n=5000):
            {"role": "user", "content": shot["question"]},
            {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"}]
     train = [e for e in make(seed, n) if e["question"] not in held]
-    problem = lambda i, e: {"id": i, "prompt": ask + [{"role": "user", "content": e["question"]}],
-                            "answer": e}  # the entry: its scorer needs it whole
-    return [problem(i, e) for i, e in enumerate(train)], [problem(i, e) for i, e in enumerate(test)]
+    posed = lambda es: [{"id": i, "prompt": ask + [{"role": "user", "content": e["question"]}],
+                         "answer": e} for i, e in enumerate(es)]  # its scorer needs the whole entry
+    return posed(train), posed(test)
 
 
 @functools.cache
-def rg_scorer(name):  # made once per grader process
+def rg_scorer(name):  # once per grader process
     import reasoning_gym
     return reasoning_gym.get_score_answer_fn(name)
 
@@ -147,7 +145,7 @@ def grade_rg(name, text, entry):  # its own scorer, on the last <answer> tags
     return rg_scorer(name)(extract_answer(text), entry)
 
 
-def load_task(cfg):  # stop: the text ending a turn that calls the tool (vLLM stops; turn runs)
+def load_task(cfg):  # stop: text ending a turn that calls the tool (vLLM stops; turn runs)
     turn = stop = None
     if cfg["task"] == "arithmetic":
         (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
@@ -165,7 +163,7 @@ def load_task(cfg):  # stop: the text ending a turn that calls the tool (vLLM st
     return {"train": train, "eval": test, "grade": grade, "turn": turn, "stop": stop}
 
 
-def extract_answer(text):  # the last number in the last \boxed{...} (or the text); else None
+def extract_answer(text):  # last number in the last \boxed{...} (or the text), or None
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
     nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", boxed[-1] if boxed else text)
     return nums[-1].replace(",", "").rstrip(".") if nums else None
@@ -188,10 +186,10 @@ def grade_math(text, answer):
         gold, math_verify.parse(text, parsing_timeout=None), timeout_seconds=None))
 
 
-def safely(fn, text, answer):  # -> (a grade's float, a tool's text or None; failed)
+def safely(fn, text, answer):  # -> (grade's float, tool's text or None; failed)
     try:
         out = fn(text, answer)
-        if isinstance(out, str) and len(out) > 10_000:  # a tool's words: more would never fit
+        if isinstance(out, str) and len(out) > 10_000:  # tool words: more never fit
             return None, True
         return (out if out is None or isinstance(out, str) else float(out)), False
     except Exception:
@@ -213,7 +211,7 @@ class Workers:
     process; poll() -> [(key, result, failed)]."""
 
     def __init__(self, workers=2, timeout_s=5.0):
-        import pebble  # its workers ignore SIGINT and exit on SIGTERM: a kill takes no wait
+        import pebble  # its workers ignore SIGINT, exit on SIGTERM: kills take no wait
         self.timeout_s = timeout_s
         self.pool = pebble.ProcessPool(  # spawned: the engine has threads
             workers, initializer=die_with_parent, initargs=((),),
@@ -224,7 +222,7 @@ class Workers:
         future = self.pool.schedule(safely, (fn, text, answer), timeout=self.timeout_s)
         self.running[future] = key
 
-    def wait(self, timeout):  # for a result, at most timeout seconds
+    def wait(self, timeout):  # until a result, or timeout seconds
         concurrent.futures.wait(self.running, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def poll(self):
@@ -234,6 +232,6 @@ class Workers:
             done.append((self.running.pop(future), *(future.result() if ok else (None, True))))
         return done
 
-    def close(self):  # joined: no semaphore left for a warning
+    def close(self):  # joined: no leaked-semaphore warning
         self.pool.stop()
         self.pool.join()

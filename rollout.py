@@ -1,6 +1,6 @@
-"""rollout.py: a process per vLLM engine, stepped by hand, never waiting for the trainer: between
-steps it loads weights, starts groups (budget.py), hands turns to workers (reward.py), sends graded
-groups to rank 0. Simplifications: the engine core in-process; n=1 requests; no top-k/p, no spec."""
+"""rollout.py: a process per vLLM engine, stepped by hand, never waiting on the trainer: between
+steps it loads weights, opens groups (budget.py), hands turns to workers (reward.py), sends graded
+groups to rank 0. Simplifications: engine core in-process; n=1 requests; no top-k/p, no spec."""
 import json
 import os
 import queue
@@ -18,10 +18,9 @@ import reward
 import sync
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before importing vllm
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
-# an engine's counts, in each message (the pause: its last load's)
 COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "
             "rollout_load_s rollout_pause_s rollout_grade_s rollout_steps rollout_running "
             "rollout_started").split()
@@ -30,12 +29,12 @@ COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_eng
 TOKENS = dict(ids=np.int32, logprobs=np.float32, versions=np.int32, mask=np.int32)  # per token
 
 
-def completion():  # an answer, built turn by turn
-    return {"ids": [],  # the model's tokens and the tool's
-            "logprobs": [],  # of the distribution sampled (the tool's: 0)
-            "versions": [],  # the policy version that computed each
-            "mask": [],  # 1: the model's, trained; 0: the tool's
-            "text": "",  # the tool's words too
+def completion():  # an answer, turn by turn
+    return {"ids": [],  # model and tool tokens
+            "logprobs": [],  # of the sampled distribution (tool's: 0)
+            "versions": [],  # policy version that made each
+            "mask": [],  # 1: model's, trained; 0: tool's
+            "text": "",  # tool words too
             "turns": 0,  # model turns: tool calls + 1
             "cut": False}  # hit max_new_tokens; then "reward"
 
@@ -47,7 +46,7 @@ def extend(c, ids, logprobs, versions, model):
 
 def token_versions(spans, n):  # spans in load order
     versions = np.empty(n, np.int32)
-    for version, first in spans:  # each load takes over from its first token on
+    for version, first in spans:  # a load takes over from its first token
         versions[first:] = version
     return versions.tolist()
 
@@ -58,7 +57,7 @@ def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
     return set(range(int(lo), int(hi or lo) + 1)) if spec else set()
 
 
-def format_prompt(tok, prompt):  # a text, or chat messages -> token ids
+def format_prompt(tok, prompt):  # text or chat messages -> token ids
     chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not tok.chat_template:
         return tok.encode("\n".join(m["content"] for m in chat))
@@ -71,7 +70,7 @@ def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
     seqs = cfg["rollout_seqs"] + (cfg["eval_n"] if e == 0 else 0)  # engine 0's evals too
-    # fp32 output layer, as the trainer's; prefix caching shares whole blocks (CPU's 128: none)
+    # fp32 head as in training; prefix caching shares whole blocks (CPU's 128: none)
     return LLM(model=cfg["model"], dtype=cfg["rollout_dtype"], seed=cfg["seed"] + e,
                max_model_len=cfg["max_model_len"], enforce_eager=cfg["enforce_eager"],
                gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
@@ -97,17 +96,17 @@ class Rollout:
         self.start_engine()
         self.load_prompts()
         self.connect()
-        self.groups = {}  # open groups: g{pos}, eval{version}
+        self.groups = {}  # open: g{pos}, eval{version}
         self.spans = {}  # request id -> [(version, first token)]
-        self.pending = None  # a version announced, not loaded
-        self.holding = 0  # slots our training sequences hold (in vLLM or a tool)
+        self.pending = None  # announced, not yet loaded
+        self.holding = 0  # slots our training sequences hold (vLLM or tool)
         self.in_vllm = 0  # of them in vLLM
         self.perm = {}  # epoch -> its prompts' order
         self.idle = ""  # our mark in the store
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["skipped_long"] = self.skipped if e == 0 else 0
         self.budget = budget.Budget(self.store, cfg, e, self.v0)
-        self.inbox = queue.Queue()  # from receive()
+        self.inbox = queue.Queue()
         threading.Thread(target=self.receive, daemon=True).start()
 
     def start_engine(self):
@@ -116,17 +115,15 @@ class Rollout:
         self.llm = make_llm(self.cfg, "cuda" if torch.cuda.is_available() else "cpu", self.e)
         self.engine, self.tok = self.llm.llm_engine, self.llm.get_tokenizer()
         self.adapter = lora.request(self.cfg)  # None: no LoRA
-        # steps launched, not returned by step(): 1 with async scheduling
-        self.lag = self.engine.vllm_config.max_concurrent_batches - 1
+        self.lag = self.engine.vllm_config.max_concurrent_batches - 1  # launched, not returned
         self.task = reward.load_task(self.cfg)
         self.workers = reward.Workers(self.cfg["grader_workers"], self.cfg["reward_timeout_s"])
         ends = stop_settings(self.tok, self.task["stop"])
-        # finished turns only; step() decodes a turn
-        self.params = lambda greedy, room: SamplingParams(
+        self.params = lambda greedy, room: SamplingParams(  # finished turns only
             temperature=0.0 if greedy else self.cfg["temperature"], max_tokens=room, n=1,
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY, **ends)
 
-    def load_prompts(self):  # one leaving no room to answer is skipped
+    def load_prompts(self):  # skips those with no room to answer
         room = self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
         for p in self.task["train"] + self.task["eval"]:
             p["ids"] = list(format_prompt(self.tok, p["prompt"]))
@@ -150,7 +147,7 @@ class Rollout:
         self.store.wait([f"joined{f}" for f in range(cfg["engines"])])  # a fair start
 
     def run(self):
-        if self.v0 > 0:  # resumed: the checkpointed weights first
+        if self.v0 > 0:  # resumed: checkpointed weights first
             while self.pending is None:
                 self.poll_trainer()
             self.load()
@@ -173,8 +170,8 @@ class Rollout:
         self.heartbeat.stop()  # "bye": the trainer's watchers let us go
         self.send({"kind": "bye"})
 
-    # ---- the trainer's side: versions, loads, evals ----
-    def receive(self):  # a thread: versions announced, into the inbox
+    # ---- trainer's side: versions, loads, evals ----
+    def receive(self):  # a thread: announced versions -> inbox
         try:
             while (v := sync.broadcast_version(self.ctl)) >= 0:
                 self.inbox.put(v)
@@ -199,7 +196,7 @@ class Rollout:
             self.pending = v
             block = False
 
-    def load(self):  # workers copy in the weights (sync.load); tokens `lag` steps on are theirs
+    def load(self):  # workers load the weights (sync.load); tokens `lag` steps on are theirs
         t0 = time.perf_counter()
         self.version = self.llm.collective_rpc(sync.load)[0]
         self.pending = None if self.version == self.pending else self.pending
@@ -210,12 +207,12 @@ class Rollout:
         self.counters["rollout_load_s"] += self.counters["rollout_pause_s"]
         self.evaluate()
 
-    def evaluate(self, first=False):  # engine 0: a held-out eval
+    def evaluate(self, first=False):  # a held-out eval
         v, every = self.version, self.cfg["eval_every"]
         if self.e == 0 and every and (first or v % every == 0 or v == self.cfg["max_steps"]):
             self.open(f"eval{v}", self.eval_set, greedy=True, version=v)
 
-    def mark_idle(self):  # borrow_cpus: idle{e} = the version we wait for
+    def mark_idle(self):  # borrow_cpus: idle{e} = version we wait for
         busy = self.groups or self.pending is not None  # admit() ran just before
         mark = "" if busy else str(self.version)
         if mark != self.idle:
@@ -223,7 +220,7 @@ class Rollout:
             self.idle = mark
 
     # ---- a group's life: admitted, stepped, graded, sent ----
-    def admit(self):  # groups as the budget allows: stream position k is problem perm[k mod N]
+    def admit(self):  # groups the budget allows: stream position k is problem perm[k mod N]
         n_new = self.budget.take(self.version, self.holding)
         N = len(self.train_set)
         positions = []
@@ -233,7 +230,7 @@ class Rollout:
             positions += [k for k in range(end - n, end) if k not in self.done]
         for k in positions:
             epoch, i = divmod(k, N)
-            if epoch not in self.perm:  # the same in every engine
+            if epoch not in self.perm:  # same in every engine
                 rng = random.Random(f"{self.cfg['seed']}/{epoch}")
                 self.perm = {epoch: rng.sample(range(N), N)}
             problem = self.train_set[self.perm[epoch][i]]
@@ -280,7 +277,7 @@ class Rollout:
     def grades(self):
         for (gid, i, fn), result, failed in self.workers.poll():
             g = self.groups[gid]
-            if fn == "turn":  # the tool's words; None: final; a failure ends it
+            if fn == "turn":  # tool's words; None: final; a failure ends it
                 self.counters["tool_failures"] += failed
                 if not (isinstance(result, str) and self.go_on(gid, i, result)):
                     self.submit(gid, i, "grade")
@@ -292,8 +289,7 @@ class Rollout:
             if not g["left"]:
                 self.finish_group(self.groups.pop(gid))
 
-    def go_on(self, gid, i, words):
-        """The tool's tokens, then a request over the dialogue (prefix-cached); False: cut."""
+    def go_on(self, gid, i, words):  # tool's tokens, then the next turn; False: cut
         g = self.groups[gid]
         c = g["comps"][i]
         env = self.tok.encode(words, add_special_tokens=False)
@@ -315,7 +311,7 @@ class Rollout:
                               "eval_versions": [min(versions), max(versions)]})
         problem = g["problems"][0]
         msg = {"kind": "group",  # (or "eval", "bye")
-               "pos": g["pos"],  # its prompt's place in the shared stream: its id
+               "pos": g["pos"],  # its place in the shared stream: its id
                "prompt": problem["prompt"],  # as the task gave it
                "prompt_ids": problem["ids"],  # chat template applied
                "completions": g["comps"],  # group_size of completion()
@@ -340,10 +336,10 @@ if __name__ == "__main__":
         os.sched_setaffinity(0, cpus(config["rollout_cpus"]))
     try:
         Rollout(config, int(sys.argv[2])).run()
-    except ValueError as e:  # a config that cannot work: one line
+    except ValueError as e:  # a config that can't work: one line
         print(f"error: rollout process {sys.argv[2]}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
     except Exception:
         traceback.print_exc()
-        os._exit(1)  # at once: vLLM's threads can hold up an exit
+        os._exit(1)  # at once: vLLM's threads can stall an exit
     os._exit(0)

@@ -1,5 +1,5 @@
-"""sync.py: the wires between trainer and engines, through a TCPStore on rank 0 (heartbeats too):
-each engine's ctl (versions), traj (groups), weights (Sender), received into a copy as it generates
+"""sync.py: trainer<->engine wires via rank 0's TCPStore (heartbeats too): each engine's
+ctl (versions), traj (groups), weights (Sender), received into a copy as it generates
 (stage_weights=False, TP on GPUs: paused, by buckets). Simplifications: a fixed layout, one copy."""
 import itertools
 import math
@@ -19,7 +19,7 @@ import lora
 FOREVER = 7 * 86400  # long steps, quiet engines: heartbeats end it
 BEAT_S = 1
 DEAD_S = 10  # a peer silent this long is dead
-BUCKET = 2**27  # bytes a broadcast moves at most
+BUCKET = 2**27  # max bytes a broadcast moves
 
 
 def open_store(host, port, master, timeout_s):  # on rank 0's machine
@@ -28,7 +28,7 @@ def open_store(host, port, master, timeout_s):  # on rank 0's machine
                              timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); "
-                           "port in use? pick a free one with --rollout_port=PORT") from None
+                           "port in use? pick a free one: --rollout_port=PORT") from None
 
 
 class Heartbeat:
@@ -38,7 +38,7 @@ class Heartbeat:
     def __init__(self, host, port, key, peers=(), first_s=DEAD_S, loop_s=FOREVER,
                  every=lambda: None):
         self.key, self.peers, self.loop_s = key, dict(peers), loop_s
-        self.every = every  # a node leader's report of its engines' exits
+        self.every = every  # a node leader reports its engines' exits
         self.last_move = None  # None: we vouch for no loop
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, args=(host, port, first_s), daemon=True)
@@ -65,8 +65,7 @@ class Heartbeat:
                     if beat not in (b"", b"bye"):  # begun (rank 0 set all empty), not ended
                         quiet[name] = self.check(key, name, *beat.decode().split(), seen)
                 if max(quiet.values(), default=0) > DEAD_S:  # it, and any silent with it
-                    self.fail(*(f"{name} sent no heartbeat for {DEAD_S} s: it died, its node is "
-                                "lost, or it hangs; its node's log says which"
+                    self.fail(*(f"{name} sent no heartbeat for {DEAD_S} s: dead, hung or node lost"
                                 for name, s in quiet.items() if s > DEAD_S / 2))
                 if self.stopped.wait(BEAT_S):
                     return store.set(self.key, "bye")
@@ -74,7 +73,7 @@ class Heartbeat:
             if not self.stopped.is_set():  # a clean end closes the store
                 self.fail(f"trainer rank 0's store on {host}:{port} is gone ({e})")
 
-    def check(self, key, name, n, idle, seen):  # -> seconds since its count changed
+    def check(self, key, name, n, idle, seen):
         if seen.get(key, (None,))[0] != n:
             seen[key] = (n, time.monotonic())
         if int(idle) > self.loop_s:
@@ -128,16 +127,15 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
     work.wait()  # raises its error
 
 
-def plan(meta, dtype):
-    """[(name, shape)] -> buckets [(offset, numel, [(name, shape)])] of <= BUCKET bytes."""
-    buckets, offset = [], 0
+def plan(meta, dtype):  # [(name, shape)] -> buckets [(offset, numel, [(name, shape)])]
+    buckets, o = [], 0
     for name, shape in meta:
         n = math.prod(shape)
         if not buckets or (buckets[-1][1] + n) * dtype.itemsize > BUCKET:
-            buckets.append((offset, 0, []))
+            buckets.append((o, 0, []))
         start, size, weights = buckets[-1]
         buckets[-1] = (start, size + n, weights + [(name, tuple(shape))])
-        offset += n
+        o += n
     return buckets
 
 
@@ -159,12 +157,11 @@ def staged(cfg):  # engines receive into a copy as they generate
     return cfg["stage_weights"] and not tp
 
 
-def shared_gpu(cfg):  # trainer and engines on one GPU (bench.py --gpu: gloo carries CUDA tensors)
+def shared_gpu(cfg):  # engines on the trainer's GPU (bench.py --gpu: gloo carries CUDA tensors)
     return cfg["colocate"] or os.environ.get("NANOASYNC_SHARE_GPU") == "1"
 
 
-def weight_groups(store, e, rank, device, cfg):
-    """Engine e's -> (wake: a push begins; the weights': NCCL on GPU, else gloo)."""
+def weight_groups(store, e, rank, device, cfg):  # engine e's (wake, weights: NCCL on GPU)
     world = 1 + cfg["tensor_parallel_size"]  # rank 0 and the engine's workers
     wake = gloo(store, f"wake{e}", rank, world, cfg["timeout_s"] if rank == 0 else FOREVER)
     if device.type == "cuda" and not shared_gpu(cfg):  # NCCL refuses two ranks on one GPU
@@ -176,7 +173,7 @@ def weight_groups(store, e, rank, device, cfg):
         return wake, pg
     pg = gloo(store, f"weights{e}", rank, world, cfg["timeout_s"])
     if cfg["colocate"]:
-        barrier(pg, device)  # every side mapped the staging copy
+        barrier(pg, device)  # all mapped the staging copy
     return wake, pg
 
 
@@ -188,7 +185,7 @@ def barrier(pg, device):
 
 class Sender:
     """Rank 0's end of the weights. Colocated, push() writes the engines' copy; else it fills a
-    snapshot, and a thread per engine sends the newest when its engine is ready (none waits)."""
+    snapshot; a thread an engine sends it the newest once ready (none waits)."""
 
     def __init__(self, store, plan, cfg, device, ctls):
         self.plan = plan
@@ -208,7 +205,7 @@ class Sender:
             os.unlink(self.copy.untyped_storage().filename)
         self.cond = threading.Condition()
         self.latest = None  # (version, snapshot); (-1, None): stop
-        self.error = None  # a thread's, for the next push to raise
+        self.error = None  # a thread's, the next push raises it
         self.threads = [threading.Thread(target=self.send, args=(e,), daemon=True)
                         for e in range(0 if self.colocate else len(ctls))]
         for t in self.threads:
@@ -232,9 +229,9 @@ class Sender:
                 # NCCL's stream waits for the fill, queued before
                 for w in [pg.broadcast(snapshot[o:o + n], 0) for o, n, _ in self.plan]:
                     finish(w)
-                if not self.paused:  # it received as it generated: now it loads
+                if not self.paused:  # received as it generated: now it loads
                     broadcast_version(self.ctls[e], version)
-                snapshot = w = None  # (w holds a view) now it can be freed
+                snapshot = w = None  # (w holds a view) now freeable
         except Exception as err:
             self.error = f"sending weights to rollout process {e} failed: {err}"
 
@@ -243,7 +240,7 @@ class Sender:
             self.latest = latest
             self.cond.notify_all()
 
-    def stop(self, timeout_s):  # -1 to every engine, after its push in flight
+    def stop(self, timeout_s):  # -1 to each engine, after its push in flight
         for ctl in self.ctls if self.colocate else ():
             broadcast_version(ctl, -1)
         self.publish((-1, None))
@@ -257,14 +254,14 @@ class Sender:
 
 
 def fill(flat, plan, tensors):  # (name, tensor) in plan order -> cast into flat
-    for offset, n, weights in plan:
-        for (name, part), (got, t) in zip(weights_in(flat[offset:offset + n], weights), tensors):
+    for o, n, ws in plan:
+        for (name, part), (got, t) in zip(weights_in(flat[o:o + n], ws), tensors):
             assert got == name, f"weight order changed: expected {name}, got {got}"
             part.copy_(t.detach())
 
 
 def push(sender, tensors, version, check_alive=lambda: None):
-    """Trainer rank 0: (name, full tensor) in plan order -> every engine, as `version`."""
+    """Rank 0: (name, full tensor) in plan order -> each engine, as `version`."""
     if sender.error:
         raise RuntimeError(sender.error)
     if not sender.colocate:
@@ -272,7 +269,7 @@ def push(sender, tensors, version, check_alive=lambda: None):
         snapshot = staging(sender.plan, sender.cfg, sender.device)
         fill(snapshot, sender.plan, tensors)
         return sender.publish((version, snapshot))
-    for wake, _ in sender.links:  # colocated: once every engine has loaded the last
+    for wake, _ in sender.links:  # colocated: once all engines loaded the last
         finish(wake.allreduce([torch.tensor([version])]), check_alive)
     fill(sender.copy, sender.plan, tensors)
     for _, pg in sender.links:
@@ -288,23 +285,23 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
     store.wait(["plan"])
     plan = pickle.loads(store.get("plan"))
     copy = None  # paused: none
-    if cfg["colocate"] and cuda:  # the trainer's, through CUDA IPC
+    if cfg["colocate"] and cuda:  # the trainer's, via CUDA IPC
         fn, args = pickle.loads(store.get("ipc"))
         copy = fn(*args)
     elif cfg["colocate"] or staged(cfg):
         copy = staging(plan, cfg, device)
     groups = weight_groups(store, e, 1 + worker.rank, device, cfg)
-    if cfg.get("lora_rank"):  # a zero adapter, the base's outputs, until the first push
+    if cfg.get("lora_rank"):  # a zero adapter (the base's outputs) till the first push
         lora.swap(worker, [(n, torch.zeros(shape)) for _, _, ws in plan for n, shape in ws], cfg)
     worker.nanoasync = s = dict(
         cfg=cfg, copy=copy, plan=plan, device=device, groups=groups,
-        staged=queue.Queue(),  # versions from stage() (or an error)
+        staged=queue.Queue(),  # stage()'s versions (or an error)
         loaded=threading.Event())  # load() copied the last: receive the next
     if copy is not None:
         threading.Thread(target=stage, args=(s,), daemon=True).start()
 
 
-def receive(s):  # a push into the copy -> its version; paused -> (version, bucket generator)
+def receive(s):  # a push into the copy -> its version; paused -> (version, weights)
     if s["device"].type == "cuda":  # a new thread starts on GPU 0
         torch.cuda.set_device(s["device"])
     wake, pg = s["groups"]
@@ -317,7 +314,7 @@ def receive(s):  # a push into the copy -> its version; paused -> (version, buck
         return int(version), received(s)
     stream = torch.cuda.Stream(s["device"]) if s["device"].type == "cuda" else None
     with torch.cuda.stream(stream):  # one no vLLM kernel waits on
-        works = [pg.broadcast(s["copy"][offset:offset + n], 0) for offset, n, _ in s["plan"]]
+        works = [pg.broadcast(s["copy"][o:o + n], 0) for o, n, _ in s["plan"]]
     for w in works:
         finish(w)
     return int(version)
@@ -330,7 +327,7 @@ def received(s):  # paused: a tensor a bucket (vLLM may keep views)
         yield from weights_in(flat, weights)
 
 
-def stage(s):  # a thread in each worker: pushes into the copy
+def stage(s):  # a thread a worker: pushes into the copy
     try:
         while True:
             s["staged"].put(receive(s))
@@ -340,10 +337,10 @@ def stage(s):  # a thread in each worker: pushes into the copy
         s["staged"].put(e)
 
 
-def load(worker):  # in each vLLM worker, the engine paused -> the version
+def load(worker):  # in each vLLM worker, engine paused -> the version
     s, cuda = worker.nanoasync, torch.cuda.is_available()
     if cuda:
-        torch.cuda.synchronize()  # no forward pass reads the old weights
+        torch.cuda.synchronize()  # no forward pass reads old weights
     if s["copy"] is None:  # paused: receive the push itself
         version, weights = receive(s)
     else:
@@ -353,8 +350,7 @@ def load(worker):  # in each vLLM worker, the engine paused -> the version
             raise TimeoutError(f"no weights came in timeout_s={s['cfg']['timeout_s']} s") from None
         if isinstance(version, Exception):
             raise RuntimeError(f"receiving weights failed: {version}")
-        weights = (w for offset, n, ws in s["plan"]
-                   for w in weights_in(s["copy"][offset:offset + n], ws))
+        weights = (w for o, n, ws in s["plan"] for w in weights_in(s["copy"][o:o + n], ws))
     if s["cfg"].get("lora_rank"):  # only the adapter came
         lora.swap(worker, weights, s["cfg"])
     else:
@@ -371,6 +367,6 @@ def copy_in(worker, weights):  # (name, tensor) into vLLM's weights, in place
         worker.model_runner.reload_weights(weights_iterator=weights)
     model = worker.model_runner.get_model()
     if not torch.cuda.is_available() and getattr(model.config, "tie_word_embeddings", False):
-        # the CPU backend pre-packs lm_head: redo it from the new tied weight
+        # the CPU backend pre-packs lm_head: redo it from the tied weight
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)

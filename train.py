@@ -1,6 +1,6 @@
 """train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`.
-FSDP2 ranks train; vLLM engines generate all the time (fleet.py). Step k takes a batch (buffer.py),
-trains version k (loss.py), sends the weights (sync.py), logs. Simplifications: one AdamW step a
+FSDP2 ranks train; vLLM engines generate nonstop (fleet.py). Step k takes a batch (buffer.py),
+trains version k (loss.py), sends weights (sync.py), logs. Simplifications: one AdamW step a
 batch, constant lr; no KL penalty or reference model (as DAPO); rank 0 alone talks to engines."""
 import json
 import os
@@ -24,25 +24,25 @@ import sync
 from fleet import Fleet, kill, place, spawn, watch
 
 # ---- config/*.py, then --key=value, override these defaults ----
-model = "data/tiny"  # a Hugging Face folder or hub id
+model = "data/tiny"  # an HF folder or hub id
 task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME (reasoning-gym)
-data_path = ""  # gsm8k: a jsonl of {"question", "answer"}, or a hub id
+data_path = ""  # gsm8k: jsonl of {"question", "answer"}, or a hub id
 out_dir = "out"
 tracker = ""  # wandb | trackio
 seed = 1337
 max_steps = 20  # optimizer steps = policy versions
-batch_groups = 8  # prompt groups a step, over all ranks
-group_size = 8  # completions per prompt
+batch_groups = 8  # prompt groups a step (all ranks)
+group_size = 8  # completions a prompt
 max_new_tokens = 64  # per completion, tool results too
-max_turns = 4  # model turns per completion (1 = no tool)
+max_turns = 4  # model turns a completion (1: no tool)
 temperature = 1.0  # sampling, and the trainer's logprobs
 lr = 1e-5
 grad_clip = 1.0
 micro_batch_tokens = 4096  # packed tokens a micro-batch (a larger group alone)
 activation_checkpointing = False  # recompute layers in backward
 compile_layers = True  # GPU, bf16/fp16: torch.compile each layer in step 0
-max_staleness = 1  # eta: the most versions a trained token may be old; 0 = synchronous
-drop_flat = True  # skip groups whose rewards are all equal
+max_staleness = 1  # eta: most versions a trained token may lag; 0 = synchronous
+drop_flat = True  # skip groups with all rewards equal
 eval_every = 5  # versions between greedy held-out evals (also first, last); 0 = off
 eval_n = 100  # held-out problems, never trained on
 rollout_engines = 1  # vLLM engines a node, each on tensor_parallel_size GPUs
@@ -60,16 +60,15 @@ gpu_memory_utilization = 0.5  # vLLM's share of its GPU (colocate: the trainer h
 enforce_eager = True  # no CUDA graphs: vLLM starts in seconds
 rollout_port = 29600  # the trainer-engine store, on rank 0
 timeout_s = 120  # a peer silent this long is dead: exit
-start_timeout_s = 900  # engine start (on a GPU: compiling, CUDA graphs)
+start_timeout_s = 900  # engine start (GPU: compiling, CUDA graphs)
 stall_s = 600  # this long with nothing usable (flat, stale): stop
 reward_timeout_s = 5.0  # a longer grade is killed, scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
-ckpt_every = 0  # {out_dir}/ckpt.pt every this many steps, at the end, on signals
+ckpt_every = 0  # {out_dir}/ckpt.pt every K steps, at the end, on signals
 resume = False  # continue exactly from {out_dir}/ckpt.pt
-lora_rank = 0  # > 0: train a LoRA adapter of this rank (lora.py), the base frozen
-lora_alpha = 32  # the adapter's output scaled by lora_alpha / lora_rank
-lora_targets = "all-linear"  # PEFT's target_modules: all-linear, or "q_proj,v_proj"
-# ------------------------------------------------------------
+lora_rank = 0  # > 0: train a LoRA adapter of this rank (lora.py), base frozen
+lora_alpha = 32  # the adapter's scale: lora_alpha / lora_rank
+lora_targets = "all-linear"  # PEFT's target_modules, or "q_proj,v_proj"
 config = configurator.apply(globals(), sys.argv[1:])
 torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
@@ -114,13 +113,13 @@ def full_weights(dtype=getattr(torch, trainer_dtype)):
         yield name, p.detach().to(dtype).full_tensor()
 
 
-plan = sync.plan(  # each weight's bucket and place in the flat copies (sync.py)
+plan = sync.plan(  # each weight's place in the flat copies (sync.py)
     [(name, p.shape) for name, p in trained], getattr(torch, rollout_dtype))
 push_bytes = sum(n for _, n, _ in plan) * getattr(torch, rollout_dtype).itemsize
-ckpt_path = os.path.join(out_dir, "ckpt.pt")
+ckpt_path = f"{out_dir}/ckpt.pt"
 
 
-def save_checkpoint(version):  # all gather; rank 0 writes it atomically, with the stream's place
+def save_checkpoint(version):  # all gather; rank 0 writes it atomically
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
@@ -131,23 +130,23 @@ def save_checkpoint(version):  # all gather; rank 0 writes it atomically, with t
 
 
 ckpt = torch.load(ckpt_path, weights_only=True) if resume and master else {}
-if resume:  # rank 0 read it; the others' shards come by broadcast
+if resume:  # rank 0 read it; others get shards by broadcast
     set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model", {}),
                    optim_state_dict=ckpt.pop("optim", {}), options=full_state)
 start_version = [ckpt.get("version", 0)]
 dist.broadcast_object_list(start_version, src=0)
 start = start_version[0]
-stop_signal = []  # Ctrl-C / SIGTERM: stop at the next step boundary
+stop_signal = []  # Ctrl-C / SIGTERM: stop between steps
 for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+    signal.signal(sig, lambda signum, _: stop_signal.append(signum))
 
 # ---- each node's first rank starts its engines; all watch each other ----
 engines = []  # this rank's, if it leads another node
 if master:
     os.makedirs(out_dir, exist_ok=True)
-    json.dump(config, open(os.path.join(out_dir, "train_config.json"), "w"), indent=1)
-    fleet = Fleet(config, plan, device, engine_gpus, ckpt, lambda: stop_signal, nodes, world,
-                  local_world)
+    json.dump(config, open(f"{out_dir}/train_config.json", "w"), indent=1)
+    fleet = Fleet(
+        config, plan, device, engine_gpus, ckpt, lambda: stop_signal, nodes, world, local_world)
     log = metrics.Log(config, start, ckpt)
     heartbeat = fleet.heartbeat
 else:
@@ -157,7 +156,7 @@ else:
     heartbeat = watch(config, rank, world, local_world, nodes, engines)
 
 
-def push_weights(version):  # all gather; rank 0 hands the weights to the engines' senders (sync.py)
+def push_weights(version):  # all gather; rank 0 hands them to the engines (sync.py)
     if master:
         sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
     else:
@@ -165,19 +164,19 @@ def push_weights(version):  # all gather; rank 0 hands the weights to the engine
             pass
 
 
-def micro_batch(groups, step, n_tok):  # loss and backward -> its share of metrics.SUMS
+def micro_batch(groups, step, n_tok):  # loss, backward -> its share of metrics.SUMS
     batch = L.to_device(L.pack(groups), device)
     logp = L.token_logprobs(policy, batch, temperature)  # [C, T]
     adv = L.group_advantages(batch["rewards"], group_size)
     loss, bounded = L.grpo_loss(logp, batch["behav"], adv, batch["mask"], n_tok)
     (loss * world).backward()  # FSDP averages over ranks
-    fresh = batch["versions"] == step  # sampled by the weights being trained
+    fresh = batch["versions"] == step  # sampled by the weights we train
     return metrics.token_sums(loss, bounded, logp, batch["behav"], batch["mask"], fresh)
 
 
 version = step = start
 try:
-    if start > 0:  # resumed: the checkpoint's weights first
+    if start > 0:  # resumed: checkpoint weights first
         push_weights(start)
     for step in range(start, max_steps):
         version = step
@@ -194,7 +193,7 @@ try:
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=batches)
         msg = box[0]
-        if "stop" in msg:  # between two steps, where the state is whole
+        if "stop" in msg:  # between steps, where the state is whole
             if ckpt_every:
                 save_checkpoint(version)
             raise buffer.Stopped(msg["stop"])
@@ -208,23 +207,23 @@ try:
             last = i == len(mine) - 1
             policy.set_requires_gradient_sync(last)
             policy.set_reshard_after_backward(last)
-            if borrow:  # every engine waits for the weights we train: its cores
-                engines_idle = fleet.idle(version)
-                torch.set_num_threads(threads + (borrow if engines_idle else 0))
-                borrowed += engines_idle
+            if borrow:  # every engine awaits the weights we train: its cores
+                idle = fleet.idle(version)
+                torch.set_num_threads(threads + (borrow if idle else 0))
+                borrowed += idle
             sums += micro_batch(groups_i, step, msg["n_tok"])
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip).full_tensor()
         if not torch.isfinite(grad_norm):  # it would poison the weights: stop
             raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: lower lr or "
-                                     "check the data (--resume goes on from the last checkpoint)")
+                                     "check the data (then --resume from the last checkpoint)")
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         dist.all_reduce(sums)
         t_train = time.perf_counter() - t0
         version = step + 1
         # ---- 3. the new weights to every engine ----
         t0 = time.perf_counter()
-        push_weights(version)  # the overlap, 2 of 2: sent and received beside generation
+        push_weights(version)  # the overlap, 2 of 2: sent, received beside generation
         t_sync = time.perf_counter() - t0
         # ---- 4. log ----
         if master:
@@ -234,8 +233,8 @@ try:
             fleet.done.update(g["pos"] for g in seen)  # for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version)
-    # ---- the end: the model (Hugging Face format), the last eval ----
-    full = {name: t.cpu() for name, t in full_weights(torch.float32)}  # every rank gathers
+    # ---- the end: the model (HF format), the last eval ----
+    full = {name: t.cpu() for name, t in full_weights(torch.float32)}  # all ranks gather
     if master:
         AutoTokenizer.from_pretrained(model).save_pretrained(out_dir)
         if lora_rank:  # the adapter (PEFT's format)
@@ -245,13 +244,13 @@ try:
         if eval_every > 0:
             fleet.wait(lambda: any(e["version"] == max_steps for e in fleet.evals), timeout_s)
         log.close(fleet.evals)
-        fleet.stop(timeout_s)  # every engine on every node exits
+        fleet.stop(timeout_s)  # all engines on all nodes exit
     kill(engines, timeout_s)  # another node's: they exit as rank 0 says stop
     # heartbeats stop between barriers: one beating would take rank 0's exit for a crash
     dist.barrier(group=batches)
     heartbeat.stop()
     dist.barrier()
-except Exception as error:  # a signal, a stall (Stopped), an error: every rank ends here
+except Exception as error:  # a signal, a stall (Stopped), an error: all ranks end here
     if not isinstance(error, buffer.Stopped):
         if master and isinstance(error, RuntimeError):  # a broken wire: a dead engine?
             try:  # time for its exit code to show: check_alive() names it
@@ -261,7 +260,7 @@ except Exception as error:  # a signal, a stall (Stopped), an error: every rank 
         traceback.print_exception(error)
     elif master:
         saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
-        print(f"stopped at step {step}: {error}{saved}", file=sys.stderr, flush=True)
+        print(f"stopped at step {step}: {error}{saved}", file=sys.stderr)
         log.close(fleet.evals)  # a tracker's run ends finished
     kill(fleet.procs if master else engines)
     sys.stdout.flush()
