@@ -62,6 +62,7 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate, staged, mon
                     p.add_(torch.randn_like(p) * 0.05)
             sync.push(sender, iter(trained), k)
             versions.append(copy.deepcopy(model))
+            store.wait([f"loaded{k}"])  # else version 2 may replace 1 before it is sent
         assert peer.wait(timeout=60) == 0
         samples = json.loads(store.get("samples"))
     finally:

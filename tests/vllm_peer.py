@@ -31,9 +31,10 @@ if __name__ == "__main__":
                 for c in out.outputs]
 
     samples = [sample()]
-    for _ in range(2):  # two pushes: the double buffers are reused across pushes too
-        sync.broadcast_version(ctl)  # the version announced
-        llm.collective_rpc(sync.load)
+    for k in (1, 2):  # two pushes: the double buffers are reused across pushes too
+        assert sync.broadcast_version(ctl) == k  # the version announced
+        assert llm.collective_rpc(sync.load) == [k]
+        store.set(f"loaded{k}", "")  # the test's next push: a sender sends only the newest
         llm.reset_prefix_cache()
         samples.append(sample())
     store.set("samples", json.dumps(samples))
