@@ -177,15 +177,16 @@ def test_the_engines_start_no_more_than_the_budget_and_share_it(tiny):
     meta = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     plan = sync.plan(meta, torch.float32)
     fleet = fleet_mod.Fleet(cfg, plan, torch.device("cpu"), [[], []], {}, lambda: [])
-    arrived = [0]  # groups in the buffer when each version was announced
+    arrived = [0]  # groups in the buffer as each version's announcement began (one engine
+    # may load it and send a group under it before the other has loaded it)
     try:
         for v in range(1, 7):
             deadline = time.time() + 60
             while len(fleet.buffer.groups) < arrived[-1] + 8 and time.time() < deadline:
                 fleet.check_alive()
                 time.sleep(0.05)
-            push(fleet, model.named_parameters(), v)
             arrived.append(len(fleet.buffer.groups))
+            push(fleet, model.named_parameters(), v)
         groups = list(fleet.buffer.groups)
         fleet.stop(60)
     finally:
