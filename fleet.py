@@ -108,9 +108,9 @@ class Fleet:  # rank 0's end of each engine
             die(str(e))
         ctls, trajs = sync.connect(self.store, 0, self.engines, cfg["timeout_s"])
         self.sender = sync.Sender(self.store, plan, cfg, device, ctls)
-        discard = lambda g: self.store.add("started", -1)  # a stale group's start (budget.py)
+        discard = lambda g: self.store.add("started", -1)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
-        self.buffer.dropped.update(ckpt.get("dropped", {}))
+        self.buffer.dropped.update(zip(("stale", "flat"), ckpt.get("dropped", ())))
         self.receivers = [
             threading.Thread(target=self.receive, args=(t,), daemon=True) for t in trajs]
         for r in self.receivers:
@@ -144,7 +144,7 @@ class Fleet:  # rank 0's end of each engine
         while self.next in self.done:
             self.done.remove(self.next)
             self.next += 1
-        return {"next": self.next, "done": sorted(self.done), "dropped": self.buffer.dropped}
+        return dict(next=self.next, done=sorted(self.done), dropped=[*self.buffer.dropped.values()])
 
     def rollout_stats(self):
         """Counters summed; since the last call, the mean share of slots running; mean pause."""
