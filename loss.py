@@ -148,7 +148,7 @@ class SampledLogprob(torch.autograd.Function):
             grad_h[i:i + ctx.rows] = g @ w
             if ctx.needs_input_grad[1]:  # not when frozen (LoRA)
                 part = mm32(g.t(), x)  # fp32 sums
-                grad_w = part if grad_w is None else grad_w + part
+                grad_w = part if grad_w is None else grad_w.add_(part)
         return grad_h, None if grad_w is None else grad_w.to(w.dtype), None, None, None, None
 
 
