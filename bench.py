@@ -594,7 +594,7 @@ def grading():
 # ---- --gpu: the whole GPU path in minutes -----------------------------------------------------
 def gpu():
     """For a machine with GPUs: the tiny model and SmolLM2 (when data/smollm2-135m is there) in
-    fp32 and bf16, 6 steps at eta = 1 (loads land during generation): colocated on GPU 0; the
+    fp32, bf16 and fp16, 6 steps at eta = 1 (loads land during generation): colocated on GPU 0; the
     separate-GPU path (a staging copy, a receive thread, NCCL): on GPU 1 where there are 2
     GPUs, else on the trainer's own GPU as a second process with the weights over gloo (NCCL
     refuses two ranks on one device; NANOASYNC_SHARE_GPU=1); paused pushes (stage_weights=False).
@@ -610,7 +610,7 @@ def gpu():
     rows = []
     for name in pick("models", ",".join(models)):
         config = models[name]
-        for dtype in pick("dtypes", "float32,bfloat16"):
+        for dtype in pick("dtypes", "float32,bfloat16,float16"):
             for mode in pick("modes", "colocate,separate,paused"):
                 over = [f"--rollout_dtype={dtype}", f"--trainer_dtype={dtype}", "--max_steps=6",
                         "--max_staleness=1", "--rollout_cpus=", "--eval_every=0",
@@ -658,6 +658,36 @@ def gpu():
               f"{r.get('shift_reloaded') or 0:8.1e}  {r.get('gen_tokens_per_s', 0):9d}  "
               f"{r.get('push_s', 0):6.3f}  {r.get('peak_mb')}")
     return int(any(r["rc"] for r in rows))
+
+
+# ---- --precision: the trainer's logprobs against vLLM's, per dtype ------------------------------
+def precision():
+    """peers/precision.py for each dtype (--dtypes=float32,bfloat16,float16) on SmolLM2 (tiny
+    with --models=tiny, or when SmolLM2 is not there), vLLM eager (--eager=False: compiled, as
+    the GPU recipes run it): the trainer's logprobs against vLLM's decode logprobs, vLLM's own
+    prefill against its decode (the floor), each against float32. fp16 needs a GPU or a CPU
+    with avx512_fp16 / AMX-FP16 to be fast (elsewhere its matmuls are emulated)."""
+    name = args.get("models", "smollm" if GPUS == 0 or os.path.isdir(f"{ROOT}/data/smollm2-135m")
+                    else "tiny")
+    prepare(name)
+    model = {"tiny": "data/tiny", "smollm": "data/smollm2-135m"}[name]
+    rows = []
+    for dtype in args.get("dtypes", "float32,bfloat16,float16").split(","):
+        for eager in args.get("eager", "True").split(","):
+            out = subprocess.run([sys.executable, "peers/precision.py", model, dtype,
+                                  args.get("prompts", "4"), "96", eager], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=1200)
+            if out.returncode:
+                sys.exit(f"peers/precision.py {dtype} failed:\n{out.stderr[-3000:]}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    pairs = ("trainer_vs_vllm_decode", "vllm_decode_vs_prefill", "trainer_vs_float32",
+             "vllm_decode_vs_float32")
+    print(f"\n{'dtype':9s} eager  " + "  ".join(f"{p:>24s}" for p in pairs)
+          + "\n" + " " * 16 + "  ".join(f"{'mean |d|':>11s} {'k3':>12s}" for _ in pairs))
+    for r in rows:
+        print(f"{r['dtype']:9s} {str(r['enforce_eager']):5s}  " + "  ".join(
+            f"{r[p]['mean_abs']:11.2e} {r[p]['k3']:12.2e}" for p in pairs))
 
 
 # ---- --fill: every engine full ------------------------------------------------------------------
@@ -760,8 +790,12 @@ MODES = {  # mode: (function, its usage line)
     "--fill": (fill, "python bench.py --fill [--parts=occupancy,balance,pause]: engines full, "
                      "shared, paused"),
     "--grading": (grading, "python bench.py --grading: graders vs the recipe's answer rate"),
-    "--gpu": (gpu, "python bench.py --gpu [--models=tiny,smollm] [--dtypes=float32,bfloat16] "
+    "--gpu": (gpu, "python bench.py --gpu [--models=tiny,smollm] "
+                   "[--dtypes=float32,bfloat16,float16] "
                    "[--modes=colocate,separate,paused]: the whole GPU path in minutes"),
+    "--precision": (precision, "python bench.py --precision [--dtypes=float32,bfloat16,float16] "
+                               "[--models=smollm|tiny] [--eager=True,False] [--prompts=4]: "
+                               "trainer vs vLLM logprobs"),
     "--ab": (ab, "python bench.py --ab=REV [--steps=4]: the demo on REV and on this tree, back "
                  "to back"),
     "--lora": (lora_push, "python bench.py --lora [--rank=16] [--runs=2]: a LoRA push vs a full "

@@ -56,7 +56,6 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):  # this node's engines,
         env.setdefault("TRITON_F32_DEFAULT", "ieee")
     share = cfg["gpu_memory_utilization"]
     if torch.cuda.is_available() and not cfg["colocate"] and sync.staged(cfg):
-        # the staging copy counts in vLLM's share
         size = sum(n for _, n, _ in plan) * getattr(torch, cfg["rollout_dtype"]).itemsize
         share -= size / torch.cuda.get_device_properties().total_memory
         if share < 0.05:
@@ -147,7 +146,6 @@ class Fleet:  # rank 0's end of each engine
         return dict(next=self.next, done=sorted(self.done), dropped=[*self.buffer.dropped.values()])
 
     def rollout_stats(self):
-        """Counters summed; since the last call, the mean share of slots running; mean pause."""
         now = {e: dict(s) for e, s in self.stats.items()}
         delta = lambda e, k: now[e][k] - self.last.get(e, {}).get(k, 0)
         fracs = [delta(e, "rollout_running") / delta(e, "rollout_steps") for e in now
@@ -180,7 +178,7 @@ def report_exits(procs, first, node):  # another node's engines
         if p.poll() not in (None, 0) and not hasattr(p, "reported"):
             p.reported = True
             print(f"error: rollout process {e} (node {node}, pid {p.pid}) exited with code "
-                  f"{p.returncode}", file=sys.stderr, flush=True)
+                  f"{p.returncode}", file=sys.stderr)
 
 
 def kill(procs, timeout_s=0):  # given timeout_s to exit

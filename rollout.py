@@ -65,7 +65,7 @@ def format_prompt(tok, prompt):  # text or chat messages -> token ids
     return tok.encode(text, add_special_tokens=False)
 
 
-def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
+def make_llm(cfg, device, e=0):  # engine e (peers/ too)
     from vllm import LLM
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gb"]))
@@ -76,7 +76,7 @@ def make_llm(cfg, device, e=0, **extra):  # engine e (bench.py too)
                gpu_memory_utilization=cfg["gpu_memory_utilization"], max_num_seqs=seqs,
                tensor_parallel_size=cfg["tensor_parallel_size"], logprobs_mode="processed_logprobs",
                hf_overrides={"head_dtype": "float32"}, enable_prefix_caching=True,
-               block_size=32 if device == "cpu" else None, **lora.engine_args(cfg, device), **extra,
+               block_size=32 if device == "cpu" else None, **lora.engine_args(cfg, device),
                compilation_config=None if device == "cpu" else {"max_cudagraph_capture_size": seqs})
 
 
@@ -337,7 +337,7 @@ if __name__ == "__main__":
     try:
         Rollout(config, int(sys.argv[2])).run()
     except ValueError as e:  # a config that can't work: one line
-        print(f"error: rollout process {sys.argv[2]}: {e}", file=sys.stderr, flush=True)
+        print(f"error: rollout process {sys.argv[2]}: {e}", file=sys.stderr)
         os._exit(2)
     except Exception:
         traceback.print_exc()

@@ -83,7 +83,7 @@ class Heartbeat:
 
     def fail(self, *whys):
         for why in whys:
-            print(f"error: {self.key}: {why}", file=sys.stderr, flush=True)
+            print(f"error: {self.key}: {why}", file=sys.stderr)
         os._exit(1)  # now: a collective would wait on the dead peer
 
 
@@ -212,8 +212,6 @@ class Sender:
             t.start()
 
     def send(self, e):  # a thread: engine e's pushes
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # a new thread starts on GPU 0
         wake, pg = self.links[e]
         version = None
         try:
@@ -261,7 +259,6 @@ def fill(flat, plan, tensors):  # (name, tensor) in plan order -> cast into flat
 
 
 def push(sender, tensors, version, check_alive=lambda: None):
-    """Rank 0: (name, full tensor) in plan order -> each engine, as `version`."""
     if sender.error:
         raise RuntimeError(sender.error)
     if not sender.colocate:
@@ -282,8 +279,7 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
-    store.wait(["plan"])
-    plan = pickle.loads(store.get("plan"))
+    plan = pickle.loads(store.get("plan"))  # get() waits for it
     copy = None  # paused: none
     if cfg["colocate"] and cuda:  # the trainer's, via CUDA IPC
         fn, args = pickle.loads(store.get("ipc"))
@@ -302,8 +298,6 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
 
 
 def receive(s):  # a push into the copy -> its version; paused -> (version, weights)
-    if s["device"].type == "cuda":  # a new thread starts on GPU 0
-        torch.cuda.set_device(s["device"])
     wake, pg = s["groups"]
     version = torch.zeros(1, dtype=torch.int64)
     wake.allreduce([version]).wait()  # rank 0's version

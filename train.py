@@ -52,6 +52,7 @@ stage_weights = True  # receive weights into a copy as vLLM generates; False: pa
 rollout_seqs = 256  # most sequences an engine generates at once
 rollout_dtype = "float32"  # vLLM's weights and compute (output layer: float32)
 trainer_dtype = "float32"  # FSDP2 compute (master weights: float32)
+loss_scale = 65536.0  # fp16: small gradients would flush to 0; halved on overflow
 rollout_cpus = ""  # CPU: vLLM's cores, "1" or "2-3"; the trainer's: the rest
 borrow_cpus = True  # CPU, one rank: vLLM's cores too while every engine waits
 max_model_len = 512
@@ -124,7 +125,7 @@ def save_checkpoint(version):  # all gather; rank 0 writes it atomically
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
             torch.save({"version": version, "model": model_sd, "optim": optim_sd,
-                        **fleet.resume_state(), **log.state()}, f)
+                        "loss_scale": loss_scale, **fleet.resume_state(), **log.state()}, f)
             os.fsync(f.fileno())
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
@@ -133,9 +134,11 @@ ckpt = torch.load(ckpt_path, weights_only=True) if resume and master else {}
 if resume:  # rank 0 read it; others get shards by broadcast
     set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model", {}),
                    optim_state_dict=ckpt.pop("optim", {}), options=full_state)
-start_version = [ckpt.get("version", 0)]
-dist.broadcast_object_list(start_version, src=0)
-start = start_version[0]
+if trainer_dtype != "float16":  # bf16 has fp32's range
+    loss_scale = 1.0
+resumed = [ckpt.get("version", 0), ckpt.get("loss_scale", loss_scale)]
+dist.broadcast_object_list(resumed, src=0)
+start, loss_scale = resumed
 stop_signal = []  # Ctrl-C / SIGTERM: stop between steps
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda signum, _: stop_signal.append(signum))
@@ -169,7 +172,7 @@ def micro_batch(groups, step, n_tok):  # loss, backward -> its share of metrics.
     logp = L.token_logprobs(policy, batch, temperature)  # [C, T]
     adv = L.group_advantages(batch["rewards"], group_size)
     loss, bounded = L.grpo_loss(logp, batch["behav"], adv, batch["mask"], n_tok)
-    (loss * world).backward()  # FSDP averages over ranks
+    (loss * world * loss_scale).backward()  # FSDP averages over ranks
     fresh = batch["versions"] == step  # sampled by the weights we train
     return metrics.token_sums(loss, bounded, logp, batch["behav"], batch["mask"], fresh)
 
@@ -212,11 +215,16 @@ try:
                 torch.set_num_threads(threads + (borrow if idle else 0))
                 borrowed += idle
             sums += micro_batch(groups_i, step, msg["n_tok"])
+        for _, p in trained if loss_scale != 1 else ():  # fp16: unscaled
+            p.grad.div_(loss_scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip).full_tensor()
-        if not torch.isfinite(grad_norm):  # it would poison the weights: stop
+        if torch.isfinite(grad_norm):
+            optimizer.step()
+        elif loss_scale > 1:  # fp16 overflowed: skip this step, halve the scale
+            loss_scale /= 2
+        else:  # it would poison the weights: stop
             raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: lower lr or "
                                      "check the data (then --resume from the last checkpoint)")
-        optimizer.step()
         optimizer.zero_grad()
         dist.all_reduce(sums)
         t_train = time.perf_counter() - t0
@@ -229,7 +237,8 @@ try:
         if master:
             log.step(step, groups, seen, sums.tolist(), fleet, grad_norm=grad_norm.item(),
                      t_wait_s=t_wait, t_train_s=t_train, t_sync_s=t_sync, push_bytes=push_bytes,
-                     borrowed_frac=borrowed / len(mine), micro_batches=len(mine))
+                     borrowed_frac=borrowed / len(mine), micro_batches=len(mine),
+                     loss_scale=loss_scale)
             fleet.done.update(g["pos"] for g in seen)  # for a checkpoint
         if ckpt_every and (version % ckpt_every == 0 or version == max_steps):
             save_checkpoint(version)
@@ -263,8 +272,7 @@ except Exception as error:  # a signal, a stall (Stopped), an error: all ranks e
         print(f"stopped at step {step}: {error}{saved}", file=sys.stderr)
         log.close(fleet.evals)  # a tracker's run ends finished
     kill(fleet.procs if master else engines)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stdout.flush()  # stderr: line-buffered
     # not sys.exit: tearing down groups whose threads wait on a peer hangs
     os._exit(128 + stop_signal[0] if isinstance(error, buffer.Stopped) and stop_signal else 1)
 if master:
