@@ -157,7 +157,7 @@ def staged(cfg):  # engines receive into a copy as they generate
     return cfg["stage_weights"] and not tp
 
 
-def shared_gpu(cfg):  # engines on the trainer's GPU (bench.py --gpu: gloo carries CUDA tensors)
+def shared_gpu(cfg):  # engines on the trainer's GPU (bench.py --gpu: over gloo)
     return cfg["colocate"] or os.environ.get("NANOASYNC_SHARE_GPU") == "1"
 
 

@@ -71,7 +71,7 @@ lora_rank = 0  # > 0: train a LoRA adapter of this rank (lora.py), base frozen
 lora_alpha = 32  # the adapter's scale: lora_alpha / lora_rank
 lora_targets = "all-linear"  # PEFT's target_modules, or "q_proj,v_proj"
 config = configurator.apply(globals(), sys.argv[1:])
-torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 for k, v in torchrun.items():
     os.environ.setdefault(k, v)  # `python train.py`: one rank
@@ -79,7 +79,6 @@ rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
 local_rank = int(os.environ["LOCAL_RANK"])
 local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-node = int(os.environ["GROUP_RANK"])
 nodes = int(os.environ["GROUP_WORLD_SIZE"])
 master = rank == 0
 config = configurator.check(config, world)
@@ -134,11 +133,12 @@ ckpt = torch.load(ckpt_path, weights_only=True) if resume and master else {}
 if resume:  # rank 0 read it; others get shards by broadcast
     set_state_dict(policy, optimizer, model_state_dict=ckpt.pop("model", {}),
                    optim_state_dict=ckpt.pop("optim", {}), options=full_state)
+resumed = [ckpt.get("version", 0), ckpt.get("loss_scale", 1.0)]
+dist.broadcast_object_list(resumed, src=0)
+start, reached = resumed
+loss_scale = reached if reached > 1 else loss_scale  # an fp16 run: the scale it had
 if trainer_dtype != "float16":  # bf16 has fp32's range
     loss_scale = 1.0
-resumed = [ckpt.get("version", 0), ckpt.get("loss_scale", loss_scale)]
-dist.broadcast_object_list(resumed, src=0)
-start, loss_scale = resumed
 stop_signal = []  # Ctrl-C / SIGTERM: stop between steps
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda signum, _: stop_signal.append(signum))
@@ -154,8 +154,8 @@ if master:
     heartbeat = fleet.heartbeat
 else:
     if engine_gpus:  # another node's, numbered after node 0's
-        engines = spawn(config, engine_gpus, node * rollout_engines, rollout_engines * nodes,
-                        os.environ["MASTER_ADDR"], plan)
+        engines = spawn(config, engine_gpus, rank // local_world * rollout_engines,
+                        rollout_engines * nodes, os.environ["MASTER_ADDR"], plan)
     heartbeat = watch(config, rank, world, local_world, nodes, engines)
 
 
@@ -206,7 +206,7 @@ try:
         sums = torch.zeros(len(metrics.SUMS), device=device)
         borrowed = 0  # micro-batches on the engines' cores too
         for i, groups_i in enumerate(mine):
-            # one reduce-scatter, after the last backward; weights gathered till then
+            # one reduce-scatter, after the last backward; weights kept gathered
             last = i == len(mine) - 1
             policy.set_requires_gradient_sync(last)
             policy.set_reshard_after_backward(last)

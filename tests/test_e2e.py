@@ -394,14 +394,22 @@ def test_fp16_scales_its_loss_and_skips_a_step_that_overflows(tiny, tmp_path):
     assert all(m["loss_scale"] == 2**16 and math.isfinite(m["grad_norm"]) for m in steps)
     assert max(m["grad_norm"] for m in steps) > 0, steps
     assert max(m["logprob_mismatch"] for m in steps) < 1e-3, steps
-    steps, _, _ = train(tmp_path / "over", *fp16, "--loss_scale=1e12")
+    over = tmp_path / "over"
+    steps, _, _ = train(over, *fp16, "--loss_scale=1e12", "--ckpt_every=12")
     scale = 1e12
     for m in steps:  # halved after a step that overflowed, and only then
         scale /= 1 if math.isfinite(m["grad_norm"]) else 2
         assert m["loss_scale"] == scale, steps
     assert scale < 1e12, steps
-    before, after = (load_file(f"{d}/model.safetensors") for d in (tiny["tied"], tmp_path / "over"))
+    before, after = (load_file(f"{d}/model.safetensors") for d in (tiny["tied"], over))
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # resumed: fp16 goes on at the scale it had reached; fp32 has none; fp16 after fp32 starts
+    # at --loss_scale again
+    for n, dtype, want in ((13, "float16", (scale, scale / 2)), (14, "float32", (1,)),
+                           (15, "float16", (2**16, 2**15))):
+        steps, _, _ = train(over, *fp16, f"--max_steps={n}", "--ckpt_every=1", "--resume",
+                            f"--rollout_dtype={dtype}", f"--trainer_dtype={dtype}")
+        assert [m["step"] for m in steps] == list(range(n)) and steps[-1]["loss_scale"] in want
 
 
 def test_prompts_too_long_are_skipped_and_counted(tiny, tmp_path):
