@@ -180,7 +180,7 @@ def test_the_engines_start_no_more_than_the_budget_and_share_it(tiny):
     arrived = [0]  # groups in the buffer as each version's announcement began (one engine
     # may load it and send a group under it before the other has loaded it)
     try:
-        for v in range(1, 7):
+        for v in range(1, 13):  # 12 versions: a slow start (graders) averages out
             deadline = time.time() + 60
             while len(fleet.buffer.groups) < arrived[-1] + 8 and time.time() < deadline:
                 fleet.check_alive()
@@ -199,8 +199,9 @@ def test_the_engines_start_no_more_than_the_budget_and_share_it(tiny):
         started[e] = g["stats"]["rollout_started"]  # the other's: as of its last group, or fewer
         assert sum(started) <= (v + 1) * 4 + sum(flat), (i, e, v, started, flat)
         seen.add((e, g["version_min"]))
-    # fair: each engine makes a third of the groups or more, at 4 of the first 5 versions or
-    # more (a version may pass while an engine's slots are still full of the last one's)
+    # fair: each engine makes a quarter of the groups or more (past its share of each version,
+    # whoever frees a slot first takes it), at 4 of the first 5 versions or more (a version may
+    # pass while an engine's slots are still full of the last one's)
     made = [sum(g["engine"] == e for g in groups) for e in (0, 1)]
     at = [len({v for f, v in seen if f == e} & set(range(5))) for e in (0, 1)]
-    assert sum(flat) > 10 and min(made) >= sum(made) / 3 and min(at) >= 4, (flat, made, seen)
+    assert sum(flat) > 10 and min(made) >= sum(made) / 4 and min(at) >= 4, (flat, made, seen)
