@@ -2,6 +2,7 @@
 # optional packages of requirements-test.txt) and run the tests.
 # `make agent`: the CPU demo with a tool (multi-turn), and the same model without the tool.
 # `make lora`: the CPU demo training a LoRA adapter, the base frozen.
+# `make guess`: an environment (envs/guess.py), the informative arm and the control arm.
 PY := .venv/bin/python
 
 .venv/.installed: requirements-cpu.txt
@@ -38,8 +39,16 @@ lora: setup
 	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_lora.py
 	$(PY) plot.py out/smollm_lora
 
+guess: setup
+	$(PY) prepare.py smollm2
+	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_guess.py
+	# the control arm: the same game, replies that carry no information
+	.venv/bin/torchrun --nproc_per_node=1 train.py config/smollm_guess.py \
+		--task=env:envs/guess.py:GuessNumberBlind --out_dir=out/smollm_guess_blind
+	$(PY) plot.py --baseline=out/smollm_guess_blind out/smollm_guess
+
 test: .venv/.test-installed
 	$(PY) prepare.py tiny
 	$(PY) -m pytest -q tests
 
-.PHONY: setup demo agent lora test
+.PHONY: setup demo agent lora guess test

@@ -68,7 +68,7 @@ def launch(config, out, overrides, nodes=1, cwd=ROOT, **kw):
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
                                "--nproc_per_node=1", "--master_addr=127.0.0.1",
                                f"--master_port={port}", f"--node_rank={n}", "train.py", config,
-                               f"--out_dir={out}", *overrides], cwd=cwd, **kw)
+                               f"--out_dir={out}", "--ckpt_every=0", *overrides], cwd=cwd, **kw)
              for n in range(nodes)]
     for p in procs:
         p.outputs = p.communicate()  # (stdout, stderr), where they were asked for
@@ -484,7 +484,8 @@ def profile(name, G, seconds=20):
     config, base, _ = CONFIGS[name]
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
                             "train.py", config, *base, *ENGINE_RUN, f"--batch_groups={G}",
-                            f"--rollout_seqs={G * 8}", "--max_steps=1000", f"--out_dir={out}"],
+                            f"--rollout_seqs={G * 8}", "--max_steps=1000", f"--out_dir={out}",
+                            "--ckpt_every=0"],
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (os.path.exists(f"{out}/metrics.jsonl") and open(f"{out}/metrics.jsonl").read()):
@@ -729,6 +730,28 @@ def fill():
     print(json.dumps(out))
 
 
+# ---- --env: a slow environment against an instant one --------------------------------------------
+def env_speed():
+    """`--env [--delay_s=0.05]`: the agent demo (the calculator environment, lr = 0) as it is and
+    with each environment step delay_s slower (peers/slow_env.py): the engine's share of slots
+    decoding (rollout_running_frac, steady steps) of each, and their ratio. Each answer waits for
+    its own reply in its own process; the engine decodes the others meanwhile."""
+    prepare("calc")
+    delay = args.get("delay_s", "0.05")
+    runs = {"instant": train("calc"),
+            "slow": train("calc", "--task=env:peers/slow_env.py:SlowCalculator",
+                          env=dict(os.environ, ENV_STEP_S=delay))}
+    out = {"delay_s": float(delay)}
+    for name, rows in runs.items():
+        out[name] = mean([r["rollout_running_frac"] for r in rows[warmup:]
+                          if r["rollout_running_frac"]])
+        out[f"{name}_turns_mean"] = mean([r["turns_mean"] for r in rows])
+    out["slow_over_instant"] = out["slow"] / out["instant"]
+    for k, v in out.items():
+        print(f"  {k:22s} {v}")
+    print(json.dumps(out))
+
+
 # ---- --lora: a push of the adapter against a push of the model ---------------------------------
 def lora_push():
     """`--lora [--rank=16] [--runs=2]`: SmolLM2-135M in fp32 into a real engine, the whole model
@@ -798,6 +821,8 @@ MODES = {  # mode: (function, its usage line)
                                "trainer vs vLLM logprobs"),
     "--ab": (ab, "python bench.py --ab=REV [--steps=4]: the demo on REV and on this tree, back "
                  "to back"),
+    "--env": (env_speed, "python bench.py --env [--delay_s=0.05]: a slow environment's engine "
+                         "vs an instant one's"),
     "--lora": (lora_push, "python bench.py --lora [--rank=16] [--runs=2]: a LoRA push vs a full "
                           "one"),
 }

@@ -1,7 +1,10 @@
 """budget.py: when an engine may start a group. One started at version v is <= max_staleness old
 when trained if <= allowed(v) = (v - v0 + max_staleness + 1) * batch_groups started since v0, net
 of drops: a store count, taken by atomic adds. For RESERVE_S after loading v an engine takes only
-its share of what v added, then anyone's: none holds another back."""
+its share of what v added, then anyone's: none holds another back.
+
+Runs in each engine process (rollout.py); the count lives in rank 0's store, so every engine on
+every node draws on the same budget without talking to the others."""
 import time
 
 RESERVE_S = 2.0  # after a load, the others' shares stay theirs

@@ -1,5 +1,8 @@
 """buffer.py: rank 0 holds the engines' groups, FIFO, dropping the too stale and (drop_flat) the
-flat; deal() splits a batch over ranks. No priority, no replay, no memory cap."""
+flat; deal() splits a batch over ranks. No priority, no replay, no memory cap.
+
+Runs on trainer rank 0: a receiving thread per engine put()s groups as they arrive, and the main
+loop get()s a batch at each step boundary. Other ranks get their share by broadcast."""
 import threading
 import time
 from collections import Counter

@@ -1,5 +1,9 @@
 """configurator.py: config files (config/*.py), then --key=value, override train.py's defaults,
-types kept; check() validates the rest. A mistake stops, saying why."""
+types kept; check() validates the rest. A mistake stops, saying why.
+
+Runs in every trainer rank at start-up, before any process group, model or engine exists, so a
+mistake costs seconds, not a GPU allocation: each error is one `error:` line and exit code 2.
+Rank 0 alone looks at the checkpoint and plays the environment once: other nodes need neither."""
 import ast
 import difflib
 import importlib.util
@@ -31,7 +35,14 @@ def apply(scope, argv):  # -> train.py's globals, argv applied
         if not arg.startswith("--"):
             if not os.path.isfile(arg):
                 die(f"config file {arg!r} not found (see config/)")
-            for key, value in runpy.run_path(arg).items():
+            if not arg.endswith(".py"):  # runpy would run a .json as Python
+                die(f"config file {arg!r} is not a .py file of bare assignments (see config/)")
+            try:
+                assigned = runpy.run_path(arg)
+            except Exception as e:  # a typo in the file: where, not a traceback
+                where = f"{arg}:{e.lineno}" if isinstance(e, SyntaxError) else arg
+                die(f"config file {where} does not run: {type(e).__name__}: {e}")
+            for key, value in assigned.items():
                 if not key.startswith("__"):
                     _set(cfg, key, value, arg)
             continue
@@ -75,6 +86,11 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
         die(f"max_staleness={cfg['max_staleness']} must be >= 0 (0 = synchronous)")
     if min(cfg["rollout_engines"], cfg["tensor_parallel_size"], cfg["grader_workers"]) < 1:
         die("rollout_engines, tensor_parallel_size and grader_workers must be >= 1")
+    if cfg["temperature"] <= 0:  # the logprobs divide by it; greedy answers have no spread
+        die(f"temperature={cfg['temperature']} must be > 0 (evals are greedy already)")
+    if cfg["eval_every"] > 0 and cfg["eval_n"] < 1:
+        die(f"eval_n={cfg['eval_n']} with eval_every={cfg['eval_every']}: eval_n >= 1, or "
+            "--eval_every=0")
     if cfg["rollout_seqs"] < cfg["group_size"]:
         die(f"rollout_seqs={cfg['rollout_seqs']} < group_size={cfg['group_size']}: raise it")
     seqs = (cfg["max_staleness"] + 1) * cfg["batch_groups"] * cfg["group_size"]  # budget.py
@@ -87,6 +103,7 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
         die(f"unknown tracker {cfg['tracker']!r}: use wandb, trackio or \"\" (none)")
     if cfg["tracker"] and importlib.util.find_spec(cfg["tracker"]) is None:
         die(f"tracker {cfg['tracker']!r} is not installed: pip install {cfg['tracker']}")
+    given = cfg  # the model as written: a hub id resolves to another folder on another machine
     cfg = dict(cfg, model=resolve_model(cfg["model"]))
     conf = json.load(open(f"{cfg['model']}/config.json"))
     kind, archs = conf.get("model_type"), conf.get("architectures") or []
@@ -98,10 +115,59 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
         die(f"lora_rank={cfg['lora_rank']} is none of vLLM's: 1, 8, 16, 32, 64, 128, 256, 320, 512")
     if cfg["lora_rank"] and not lora.servable(archs):
         die(f"vLLM has no LoRA for {'/'.join(archs) or kind}: --lora_rank=0 trains every weight")
+    # the packed attention (loss.py) is full causal attention, without softcapping or sinks: a
+    # model that needs them would train on other logprobs than vLLM samples from (a sliding
+    # window longer than any sequence changes nothing)
+    window = conf.get("sliding_window") if conf.get("use_sliding_window", True) else None
+    if window and window < cfg["max_model_len"] or conf.get("attn_logit_softcapping") or (
+            kind == "gpt_oss"):
+        die(f"{kind!r} uses sliding windows, softcapping or attention sinks, which the packed "
+            "attention (loss.py) does not implement: another model, or for a window "
+            f"--max_model_len={window or 0} or less")
+    import torch
+    if cfg["lora_rank"] and cfg["rollout_dtype"] == "float32" and torch.cuda.is_available():
+        die("lora_rank > 0 on a GPU needs --rollout_dtype=bfloat16 (or float16): vLLM's LoRA "
+            "kernels take no float32")
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(cfg["model"])):
+        die(f"model folder {cfg['model']!r} has no weights (*.safetensors): an interrupted "
+            "download? fetch it again (`python prepare.py tiny|smollm2` makes one offline)")
     try:  # the engines load it too; errors are clearer here
-        reward.load_task(cfg)
+        task = reward.load_task(cfg)
     except (OSError, ValueError, KeyError) as e:
         die(str(e))
-    if cfg["resume"] and not os.path.isfile(f"{cfg['out_dir']}/ckpt.pt"):
-        die(f"--resume: no {cfg['out_dir']}/ckpt.pt (--ckpt_every=K writes one); drop --resume")
+    if task["env"] and os.environ["RANK"] == "0":  # played once, as an engine would
+        import env
+        why = env.smoke(task["env"], cfg["reward_timeout_s"])
+        if why:
+            die(f"task {cfg['task']!r}: seed 0's reset(), then step(''), failed: {why}")
+    if os.environ["RANK"] == "0":  # rank 0 alone reads it: other nodes need no copy
+        check_checkpoint(cfg, given)
     return cfg
+
+
+# what a resumed run must share with its checkpoint: they shape the prompt stream or the weights
+SHAPING = "model task data_path seed eval_n lora_rank lora_alpha lora_targets".split()
+
+
+def check_checkpoint(cfg, given):
+    """A checkpoint in out_dir is never overwritten by a fresh run (a re-run command, a requeued
+    job): --resume continues it. Resuming, the checkpoint's config must agree on SHAPING."""
+    path = f"{cfg['out_dir']}/ckpt.pt"
+    if not os.path.isfile(path):
+        if cfg["resume"]:
+            die(f"--resume: no {path} (--ckpt_every=K writes one); drop --resume")
+        return
+    import torch
+    try:  # memory-mapped: reads the small parts only
+        ckpt = torch.load(path, mmap=True, weights_only=True)
+    except Exception as e:
+        die(f"{path} does not load ({type(e).__name__}: {str(e)[:200]}): another --out_dir")
+    if not cfg["resume"]:
+        die(f"{cfg['out_dir']} has a checkpoint at version {ckpt['version']}: --resume to "
+            "continue, or another --out_dir")
+    saved = ckpt.get("config", {})  # none before checkpoints kept it
+    differ = [k for k in SHAPING if k in saved and saved[k] != given[k]]
+    if differ:
+        die(f"--resume: {path} was made with " + ", ".join(
+            f"{k}={saved[k]!r}" for k in differ) + " (now " + ", ".join(
+            f"{given[k]!r}" for k in differ) + "): resume with those, or another --out_dir")

@@ -1,5 +1,9 @@
 """fleet.py: the trainer's view of the engines: place() (GPUs or cores), spawn(), watch()
-(each rank's heartbeat); on rank 0 Fleet: the store, the wires, a Buffer of what they send."""
+(each rank's heartbeat); on rank 0 Fleet: the store, the wires, a Buffer of what they send.
+
+Runs in the trainer ranks: place() and watch() on every rank, spawn() on each node's first rank
+(its engines), Fleet on rank 0 alone. Nothing here runs in an engine: the engines' own code is
+rollout.py, which this file starts as a separate program."""
 import json
 import os
 import signal
@@ -68,6 +72,10 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):  # this node's engines,
             for e, gpus in enumerate(engine_gpus)]
 
 
+def store_host(nodes):  # where rank 0's store listens: one node needs no network
+    return os.environ["MASTER_ADDR"] if nodes > 1 else "127.0.0.1"
+
+
 def watch(cfg, rank, world, local_world, nodes, engines=()):  # a rank's heartbeat (sync.py)
     E = cfg["rollout_engines"]
     node = rank // local_world
@@ -75,7 +83,7 @@ def watch(cfg, rank, world, local_world, nodes, engines=()):  # a rank's heartbe
              for r in range(world) if r != rank}
     peers.update({f"beat{e}": f"rollout process {e} (node {e // E})" for e in range(E * nodes)})
     return sync.Heartbeat(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"), cfg["rollout_port"], f"rank{rank}", peers,
+        store_host(nodes), cfg["rollout_port"], f"rank{rank}", peers,
         cfg["start_timeout_s"], cfg["timeout_s"], lambda: report_exits(engines, node * E, node))
 
 
@@ -83,6 +91,7 @@ class Fleet:  # rank 0's end of each engine
     def __init__(self, cfg, plan, device, engine_gpus, ckpt, stop_requested, nodes=1, world=1,
                  local_world=1):
         self.engines = cfg["rollout_engines"] * nodes
+        self.per_node = cfg["rollout_engines"]
         self.stop_requested = stop_requested  # -> signals received
         self.evals = []  # engine 0's, as they finish
         self.stats = {}  # engine -> its last counters
@@ -90,7 +99,8 @@ class Fleet:  # rank 0's end of each engine
         self.done = set(ckpt.get("done", []))  # stream positions taken
         self.next = ckpt.get("next", 0)  # each position below it too
         self.procs = []  # node 0's engines
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.sender = None  # the weights' (sync.Sender), once all engines joined
+        host = store_host(nodes)
         try:  # a port taken, an engine dead
             self.store = sync.open_store(host, cfg["rollout_port"], True, cfg["timeout_s"])
             self.store.set("start", json.dumps(
@@ -111,20 +121,24 @@ class Fleet:  # rank 0's end of each engine
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped.update(zip(("stale", "flat"), ckpt.get("dropped", ())))
         self.receivers = [
-            threading.Thread(target=self.receive, args=(t,), daemon=True) for t in trajs]
+            threading.Thread(target=self.receive, args=(e, t), daemon=True)
+            for e, t in enumerate(trajs)]
         for r in self.receivers:
             r.start()
 
     def check_alive(self, stoppable=True):
-        """Raises for a signal (not in a push: all ranks finish it) or an engine's exit."""
+        """Raises for a signal (not in a push: all ranks finish it), an engine's exit or a failed
+        send of weights."""
         if stoppable and self.stop_requested():
             raise Stopped(signal.Signals(self.stop_requested()[0]).name)
         for e, p in enumerate(self.procs):
             if p.poll() is not None:
                 raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
                                    f"{p.returncode}; its output is above")
+        if self.sender and self.sender.error:  # checked here, between steps, where a checkpoint can be made
+            raise RuntimeError(self.sender.error)
 
-    def receive(self, traj):  # a thread an engine, until its bye
+    def receive(self, e, traj):  # a thread an engine, until its bye
         try:
             while (msg := sync.recv_obj(traj, 1))["kind"] != "bye":
                 self.stats[msg["engine"]] = msg["stats"]
@@ -132,8 +146,9 @@ class Fleet:  # rank 0's end of each engine
                     self.buffer.put(msg)
                 elif msg["kind"] == "eval":
                     self.evals.append(dict(msg, t=time.perf_counter()))
-        except Exception as e:
-            self.buffer.put(RuntimeError(f"lost a rollout process: {e}"))
+        except Exception as err:  # its node: engines are numbered node by node
+            where = f"node {e // self.per_node}"
+            self.buffer.put(RuntimeError(f"lost rollout process {e} ({where}): {err}"))
 
     def idle(self, version):  # borrow_cpus: each engine waits
         mark = str(version).encode()

@@ -1,6 +1,8 @@
 """lora.py: lora_rank > 0 trains a PEFT adapter on the frozen base's linear layers;
 only the adapter travels (sync.py); each engine swaps it in place between steps.
-Simplifications: one adapter, no dropout; `prepare.py merge` merges it into the base."""
+Simplifications: one adapter, no dropout; `prepare.py merge` merges it into the base.
+
+Runs in the trainer ranks (add, save) and inside each engine's vLLM workers (swap, fast_cpu_ops)."""
 from configurator import die
 
 ID = 1  # in vLLM: every request names it

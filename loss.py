@@ -3,7 +3,8 @@
   rho_t = pi_theta(y_t) / pi_behav(y_t), pi_behav: the vLLM weights that sampled y_t (<= eta old)
   w_i   = the geometric mean of rho_t over completion i, 0 outside [low, high] = [1/8, 3]
   loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
-One optimizer step a batch: a PPO clip never binds on fresh tokens; the bounds act on stale."""
+One optimizer step a batch: a PPO clip never binds on fresh tokens; the bounds act on stale.
+Runs in every trainer rank, on its share of each batch."""
 import inspect
 import math
 from functools import partial

@@ -1,4 +1,8 @@
-"""metrics.py: rank 0's log: metrics.jsonl (and a tracker), samples.jsonl, the console."""
+"""metrics.py: rank 0's log: metrics.jsonl (and a tracker), samples.jsonl, the console.
+
+Runs on trainer rank 0 (token_sums on every rank, inside the loss). Rows are appended as they
+happen and never rewritten, except by a resume, which keeps exactly the rows before its
+checkpoint (reopen)."""
 import importlib
 import json
 import os
@@ -25,11 +29,26 @@ def ratio(a, b):
     return a / b if b else None  # None: no such tokens this step
 
 
-def reopen(path, start):  # resumed: the rows before the checkpoint stay
-    kept = open(path).readlines() if start and os.path.exists(path) else []
-    f = open(path, "w", buffering=1)
-    f.writelines(line for line in kept if json.loads(line)["step"] < start)
-    return f
+def reopen(path, start):
+    """A resumed run keeps every row written before its checkpoint: rows of steps below `start`,
+    and rows with no step (a report written while waiting, by an older version). A torn last line
+    (a kill or a full disk cut it) is dropped, whatever else it held. The kept rows go to a new
+    file that replaces the old one in one rename, so a crash here loses nothing; only then is the
+    file opened to append. A fresh run (start 0) begins an empty file."""
+    kept = []
+    for line in open(path, "rb") if start and os.path.exists(path) else ():
+        try:
+            row = json.loads(line)
+        except ValueError:  # torn, or not UTF-8: not a row we wrote whole
+            continue
+        if not isinstance(row, dict) or row.get("step", -1) < start:
+            kept.append(line)
+    with open(path + ".tmp", "wb") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return open(path, "a", buffering=1)
 
 
 class Log:
@@ -42,6 +61,7 @@ class Log:
             self.run = tracker.init(project="nanoasync", name=name, config=cfg)
         self.t_start = time.perf_counter() - ckpt.get("elapsed_s", 0.0)
         self.gen_tokens = ckpt.get("gen_tokens", 0)
+        self.next_step = start  # the step whose batch we wait for
         self.metrics = reopen(f"{cfg['out_dir']}/metrics.jsonl", start)
         self.completions = reopen(f"{cfg['out_dir']}/samples.jsonl", start)
 
@@ -80,6 +100,7 @@ class Log:
               f"{m['t_train_s']:.2f}s sync {m['t_sync_s']:.2f}s | {m['train_tokens_per_s']:.0f} "
               "tok/s | eta " + (f"{eta / 60:.0f}m" if eta > 90 else f"{eta:.0f}s"), flush=True)
         self.write(m)
+        self.next_step = step + 1
         self.sample(groups[:2], step=step)
         self.evals(fleet.evals)
 
@@ -91,9 +112,10 @@ class Log:
                 print(json.dumps(row), file=self.completions)
 
     def waiting(self, text, groups):  # buffer.get's report as it waits
+        """Dropped groups' rows carry the step waited for, so a resume keeps only earlier ones."""
         print(text, flush=True)
         for g in groups[-2:]:
-            self.sample([g], dropped=g["dropped"])
+            self.sample([g], step=self.next_step, dropped=g["dropped"])
 
     def evals(self, evals):
         while evals:

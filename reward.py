@@ -1,16 +1,22 @@
 """reward.py: tasks (load_task: train/eval problems {"id", "prompt", "answer"}, grade(text, answer)
--> reward, maybe turn(text, answer) -> tool words or None), run in processes killed past a time
-limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only tools."""
+-> reward; or an environment, env.py, as the calculator is), graders run in processes killed past
+a time limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only environments.
+
+Runs in the trainer (load_task, to check the config) and in each engine (load_task, then the
+graders it submits to), and the grade functions in the grader processes, which are confined
+(confine): the model's text is untrusted input to everything here."""
 import ast
 import concurrent.futures
 import ctypes
 import functools
 import json
+import math
 import multiprocessing
 import operator
 import os
 import random
 import re
+import resource
 import signal
 
 JSONL_HINT = "a jsonl file of {question, answer} lines"
@@ -31,15 +37,18 @@ def arithmetic(seed, n_eval, max_operand=30):
     return problems(rows[n_eval:]), problems(rows[:n_eval])
 
 
-def read_jsonl(path):
+def read_jsonl(path):  # a bad line is named, with its number
     rows = []
-    for n, line in enumerate(open(path), 1):
+    for n, line in enumerate(open(path, "rb"), 1):
         try:
             if line.strip():
-                row = json.loads(line)
+                row = json.loads(line.decode("utf-8"))
                 rows.append({"question": row["question"], "answer": row["answer"]})
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: expected a JSON object with question and answer ({e!r})")
+                if not isinstance(row["question"], str):
+                    raise TypeError(f"question is a {type(row['question']).__name__}, not text")
+        except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+            raise ValueError(f"{path}:{n}: expected a JSON object (UTF-8) with a text question "
+                             f"and an answer ({e!r})") from None
     return rows
 
 
@@ -50,6 +59,9 @@ def gsm8k(data_path, seed, n_eval, instruction=BOXED):  # a jsonl, or a hub id (
         raise ValueError("task 'gsm8k' needs --data_path=FILE.jsonl (or a hub dataset id, online)")
     if os.path.isfile(data_path):
         train = read_jsonl(data_path)
+        if n_eval >= len(train):
+            raise ValueError(f"eval_n={n_eval} leaves none of {data_path}'s {len(train)} rows to "
+                             "train on: lower eval_n")
         random.Random(seed).shuffle(train)
         train, test = train[:-n_eval], train[-n_eval:]
     else:
@@ -70,19 +82,6 @@ WORDS = ["Each of {a} boxes holds {b} pens. How many pens are there?",
          "A farm has {a} rows of {b} trees. How many trees are there?",
          "A printer prints {b} pages a minute for {a} minutes. How many pages does it print?"]
 SHOT = ("A farm has 125 cows and buys 37 more. How many cows does it have?", "125 + 37", 162)
-
-
-def calculator(seed, n_eval, tool=True, n=5000):  # products too big for one's head
-    q, expr, value = SHOT
-    shown = f"{CALL[0]}{expr}{CALL[1]}<result>{value}</result>" if tool else f"{expr} = {value}."
-    chat = [{"role": "user", "content": q},
-            {"role": "assistant", "content": f"{shown} The answer is {value}."}]
-    rng, rows = random.Random(seed), []
-    for i in range(n):
-        text, a, b = rng.choice(WORDS), rng.randint(1000, 9999), rng.randint(12, 999)
-        rows.append({"id": i, "prompt": chat + [{"role": "user", "content": text.format(a=a, b=b)}],
-                     "answer": str(a * b)})
-    return rows[n_eval:], rows[:n_eval]
 
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -111,8 +110,41 @@ def calculator_turn(text, answer):  # after a turn ending in a call: <result>val
     return f"<result>{v}</result>"
 
 
-def grade_calculator(text, answer):  # the number after the last result
-    return grade_number(text.rpartition("</result>")[2], answer)
+class Calculator:
+    """The calculator as an environment: a word problem (a 4-digit times a 2-3 digit number), shown
+    one worked call on a sum. A turn ending in <calc>EXPR</calc> gets <result>VALUE</result>,
+    appended to the model's own message (`stop`); the first turn without a call is the answer,
+    1 if its last number is right. CalculatorNoTool: the same problems, no tool offered."""
+    stop, tool = CALL[1], True
+
+    def __init__(self, seed):
+        rng = random.Random(seed)
+        text, a, b = rng.choice(WORDS), rng.randint(1000, 9999), rng.randint(12, 999)
+        self.question, self.answer = text.format(a=a, b=b), str(a * b)
+
+    def reset(self):
+        q, expr, value = SHOT
+        shown = f"{CALL[0]}{expr}{CALL[1]}<result>{value}</result>" if self.tool else (
+            f"{expr} = {value}.")
+        return [{"role": "user", "content": q},
+                {"role": "assistant", "content": f"{shown} The answer is {value}."},
+                {"role": "user", "content": self.question}]
+
+    def step(self, text):
+        if self.tool and text.endswith(CALL[1]):
+            return calculator_turn(text, None), 0.0, False
+        return None, grade_number(text, self.answer), True
+
+
+class CalculatorNoTool(Calculator):
+    stop, tool = None, False
+
+
+# reasoning-gym 0.1.25 scorers that evaluate the model's answer as code (eval, or sympy's
+# parse_expr, which calls eval): an answer can run a command, or read the scorer's own variables
+# (`oracle_answer`) and score without solving. RL finds such answers.
+UNSAFE_RG = ("binary_matrix countdown intermediate_integration n_queens polynomial_multiplication "
+             "puzzle24 simple_integration spiral_matrix string_insertion").split()
 
 
 def reasoning_gym(name, seed, n_eval, n=5000):
@@ -145,22 +177,36 @@ def grade_rg(name, text, entry):  # its own scorer, on the last <answer> tags
     return rg_scorer(name)(extract_answer(text), entry)
 
 
-def load_task(cfg):  # stop: text ending a turn that calls the tool (vLLM stops; turn runs)
-    turn = stop = None
-    if cfg["task"] == "arithmetic":
+def load_task(cfg):
+    """-> {"train", "eval": problems {"id", "prompt", "answer"}, "grade": grade(text, answer),
+    "env": None}; or for an environment (env.py) {"train", "eval": problems whose answer is the
+    seed, "env": its spec, "stop": text that ends a model turn, or None}."""
+    task, stop, spec = cfg["task"], None, None
+    if task == "arithmetic":
         (train, test), grade = arithmetic(cfg["seed"], cfg["eval_n"]), grade_number
-    elif cfg["task"] == "gsm8k":
+    elif task == "gsm8k":
         (train, test), grade = gsm8k(cfg["data_path"], cfg["seed"], cfg["eval_n"]), grade_math
-    elif cfg["task"] == "calculator":  # max_turns=1: no calculator
-        tool = cfg["max_turns"] > 1
-        (train, test), grade = calculator(cfg["seed"], cfg["eval_n"], tool), grade_calculator
-        turn, stop = (calculator_turn, CALL[1]) if tool else (None, None)
-    elif cfg["task"].startswith("rg:"):  # an answer is its reasoning-gym entry
-        train, test = reasoning_gym(cfg["task"][3:], cfg["seed"], cfg["eval_n"])
-        grade = functools.partial(grade_rg, cfg["task"][3:])
+    elif task.startswith("rg:"):  # an answer is its reasoning-gym entry
+        if task[3:] in UNSAFE_RG and not cfg["unsafe_graders"]:
+            raise ValueError(f"task {task!r}: its scorer evaluates the model's text as code "
+                             "(an answer could run commands or read the right answer); "
+                             "--unsafe_graders=True to run it anyway, in limited processes")
+        train, test = reasoning_gym(task[3:], cfg["seed"], cfg["eval_n"])
+        grade = functools.partial(grade_rg, task[3:])
+    elif task == "calculator" or task.startswith("env:"):  # max_turns=1: no calculator
+        import env
+        tool = "Calculator" if cfg["max_turns"] > 1 else "CalculatorNoTool"
+        spec = f"env:reward:{tool}" if task == "calculator" else task
+        stop = getattr(env.load(spec)[0], "stop", None)
+        if not 0 <= cfg["eval_n"] < env.EVAL_SEEDS:
+            raise ValueError(f"eval_n={cfg['eval_n']}: held-out seeds are 0..eval_n-1, below "
+                             f"{env.EVAL_SEEDS}, the first training seed")
+        seeds = lambda first, n: [{"id": i, "prompt": None, "answer": first + i} for i in range(n)]
+        train, test, grade = seeds(env.EVAL_SEEDS, 100_000), seeds(0, cfg["eval_n"]), None
     else:
-        raise ValueError(f"unknown task {cfg['task']!r}: use arithmetic, gsm8k, calculator, rg:X")
-    return {"train": train, "eval": test, "grade": grade, "turn": turn, "stop": stop}
+        raise ValueError(f"unknown task {task!r}: use arithmetic, gsm8k, calculator, rg:NAME or "
+                         "env:MODULE:CLASS")
+    return {"train": train, "eval": test, "grade": grade, "env": spec, "stop": stop}
 
 
 def extract_answer(text):  # last number in the last \boxed{...} (or the text), or None
@@ -191,7 +237,8 @@ def safely(fn, text, answer):  # -> (grade's float, tool's text or None; failed)
         out = fn(text, answer)
         if isinstance(out, str) and len(out) > 10_000:  # tool words: more never fit
             return None, True
-        return (out if out is None or isinstance(out, str) else float(out)), False
+        out = out if out is None or isinstance(out, str) else float(out)
+        return out, isinstance(out, float) and not math.isfinite(out)  # a NaN is no grade
     except Exception:
         return None, True
 
@@ -206,6 +253,21 @@ def die_with_parent(ignored=(signal.SIGINT, signal.SIGTERM)):  # and not by thes
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+LIMITS = {"RLIMIT_AS": 8 << 30, "RLIMIT_FSIZE": 64 << 20, "RLIMIT_CORE": 0}  # bytes
+
+
+def confine():
+    """A grader or environment process: it dies with its engine, and may use 8 GiB of address
+    space and write files of 64 MiB at most (a runaway answer fails its call, not the machine).
+    Processes are not limited: RLIMIT_NPROC counts every thread of the user (a BLAS pool would
+    fail) and binds no one running as root."""
+    die_with_parent(())
+    for name, limit in LIMITS.items():
+        soft, hard = resource.getrlimit(getattr(resource, name))
+        if hard == resource.RLIM_INFINITY or limit < hard:  # never raise one
+            resource.setrlimit(getattr(resource, name), (limit, hard))
+
+
 class Workers:
     """pebble's processes run fn(text, answer) (fn a module's), each killed past timeout_s with its
     process; poll() -> [(key, result, failed)]."""
@@ -214,7 +276,7 @@ class Workers:
         import pebble  # its workers ignore SIGINT, exit on SIGTERM: kills take no wait
         self.timeout_s = timeout_s
         self.pool = pebble.ProcessPool(  # spawned: the engine has threads
-            workers, initializer=die_with_parent, initargs=((),),
+            workers, initializer=confine,
             context=multiprocessing.get_context("spawn"))
         self.running = {}  # future -> key
 

@@ -1,6 +1,11 @@
 """rollout.py: a process per vLLM engine, stepped by hand, never waiting on the trainer: between
 steps it loads weights, opens groups (budget.py), hands turns to workers (reward.py), sends graded
-groups to rank 0. Simplifications: engine core in-process; n=1 requests; no top-k/p, no spec."""
+groups to rank 0. Simplifications: engine core in-process; n=1 requests; no top-k/p, no spec.
+
+Runs in its own process, one per engine (fleet.spawn starts it from each node's first rank), with
+vLLM's engine core and workers inside it. Graders (reward.Workers) and environments (env.Envs)
+run in processes of their own, so a slow or hung one never stalls this loop: the loop hands
+them text and picks up what has come back, once per engine step."""
 import json
 import os
 import queue
@@ -13,6 +18,7 @@ import traceback
 import numpy as np
 
 import budget
+import env
 import lora
 import reward
 import sync
@@ -21,7 +27,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before importing vllm
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
-COUNTERS = ("reward_failed tool_failures skipped_long rollout_tokens rollout_engine_s "
+COUNTERS = ("reward_failed env_errors env_timeouts skipped_long rollout_tokens rollout_engine_s "
             "rollout_load_s rollout_pause_s rollout_grade_s rollout_steps rollout_running "
             "rollout_started").split()
 
@@ -34,9 +40,10 @@ def completion():  # an answer, turn by turn
             "logprobs": [],  # of the sampled distribution (tool's: 0)
             "versions": [],  # policy version that made each
             "mask": [],  # 1: model's, trained; 0: tool's
-            "text": "",  # tool words too
-            "turns": 0,  # model turns: tool calls + 1
-            "cut": False}  # hit max_new_tokens; then "reward"
+            "text": "",  # the environment's words too
+            "turns": 0,  # model turns: replies + 1
+            "cut": False,  # hit max_new_tokens
+            "reward": 0.0}  # the grade, or the sum of the environment's rewards
 
 
 def extend(c, ids, logprobs, versions, model):
@@ -80,6 +87,20 @@ def make_llm(cfg, device, e=0):  # engine e (peers/ too)
                compilation_config=None if device == "cpu" else {"max_cudagraph_capture_size": seqs})
 
 
+def user_turn(tok):
+    """An environment's reply to a chat model comes as the template's user turn: (the text before
+    it, after it), following the model's end of turn; None without a template. Rendered once, so
+    earlier turns are never templated again: the trainer sees the tokens the engine saw."""
+    if not tok.chat_template:
+        return None
+    chat = [{"role": role, "content": f"NANOASYNC_{role}"}
+            for role in ("user", "assistant", "reply")]
+    chat[2]["role"] = "user"
+    full = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    after_answer = full[full.index("NANOASYNC_assistant") + len("NANOASYNC_assistant"):]
+    return tuple(after_answer.split("NANOASYNC_reply"))
+
+
 def stop_settings(tok, stop):
     """A tool call ends a turn: one token by the ids ending in it (no detokenizing), or text."""
     if not stop:
@@ -117,7 +138,13 @@ class Rollout:
         self.adapter = lora.request(self.cfg)  # None: no LoRA
         self.lag = self.engine.vllm_config.max_concurrent_batches - 1  # launched, not returned
         self.task = reward.load_task(self.cfg)
-        self.workers = reward.Workers(self.cfg["grader_workers"], self.cfg["reward_timeout_s"])
+        self.user_turn = user_turn(self.tok)
+        self.faults = {}  # env fault kind -> first message, shown once
+        self.answers = [0, 0]  # ended, of them failed: a broken environment fails fast
+        if self.task["env"]:  # its processes, or the graders'
+            self.workers = env.Envs(self.task["env"], self.cfg["reward_timeout_s"])
+        else:
+            self.workers = reward.Workers(self.cfg["grader_workers"], self.cfg["reward_timeout_s"])
         ends = stop_settings(self.tok, self.task["stop"])
         self.params = lambda greedy, room: SamplingParams(  # finished turns only
             temperature=0.0 if greedy else self.cfg["temperature"], max_tokens=room, n=1,
@@ -125,8 +152,8 @@ class Rollout:
 
     def load_prompts(self):  # skips those with no room to answer
         room = self.cfg["max_model_len"] - self.cfg["max_new_tokens"]
-        for p in self.task["train"] + self.task["eval"]:
-            p["ids"] = list(format_prompt(self.tok, p["prompt"]))
+        for p in self.task["train"] + self.task["eval"]:  # an environment's: at reset()
+            p["ids"] = [] if self.task["env"] else list(format_prompt(self.tok, p["prompt"]))
         self.train_set = [p for p in self.task["train"] if len(p["ids"]) <= room]
         self.eval_set = [p for p in self.task["eval"] if len(p["ids"]) <= room]
         self.skipped = len(self.task["train"]) - len(self.train_set)
@@ -238,11 +265,23 @@ class Rollout:
             self.holding += self.cfg["group_size"]
 
     def open(self, gid, problems, greedy, **group):
+        n = len(problems)
         self.groups[gid] = {"problems": problems, "comps": [completion() for _ in problems],
-                            "left": len(problems), "eval": greedy, **group}
-        params = self.params(greedy, self.cfg["max_new_tokens"])
+                            "prompts": [None] * n,  # (as given, token ids) an answer
+                            "left": n, "eval": greedy, **group}
         for i, p in enumerate(problems):
-            self.add(gid, i, p["ids"], params)
+            if self.task["env"]:  # its own environment; the prompt comes back from reset()
+                self.workers.start((gid, i), p["answer"])
+            else:
+                self.begin(gid, i, p["prompt"], p["ids"])
+
+    def begin(self, gid, i, prompt, ids):  # an answer's first turn
+        g = self.groups[gid]
+        if len(ids) > self.cfg["max_model_len"] - self.cfg["max_new_tokens"]:
+            raise ValueError(f"{self.cfg['task']}: a prompt of {len(ids)} tokens leaves no room "
+                             "in max_model_len - max_new_tokens: raise max_model_len")
+        g["prompts"][i] = (prompt, ids)
+        self.add(gid, i, ids, self.params(g["eval"], self.cfg["max_new_tokens"]))
 
     def add(self, gid, i, ids, params):  # the salt: no prefix-cache hit on older weights
         rid = f"{gid}/{i}/{self.groups[gid]['comps'][i]['turns']}"  # group/completion/turn
@@ -259,67 +298,105 @@ class Rollout:
             g, o, i = self.groups[gid], out.outputs[0], int(i)
             c, spans = g["comps"][i], self.spans.pop(out.request_id)
             extend(c, o.token_ids, o.logprobs.logprobs, token_versions(spans, len(o.token_ids)), 1)
-            c["text"] += o.text or self.tok.decode(o.token_ids, skip_special_tokens=True)
+            said = o.text or self.tok.decode(o.token_ids, skip_special_tokens=True)
+            c["text"] += said
             c["turns"] += 1
             c["cut"] = o.finish_reason == "length"
             if not g["eval"]:
                 self.in_vllm -= 1
-            final = c["cut"] or c["turns"] >= self.cfg["max_turns"] or not self.task["turn"]
-            self.submit(gid, i, "grade" if final else "turn")
+            if self.task["env"]:  # the whole turn, to its environment
+                self.workers.call((gid, i), said)
+            else:
+                self.workers.submit((gid, i), self.task["grade"], c["text"],
+                                    g["problems"][i]["answer"])
 
-    def submit(self, gid, i, fn):  # "turn": to the tool; "grade" frees a slot
-        g = self.groups[gid]
-        if fn == "grade" and not g["eval"]:
-            self.holding -= 1
-        self.workers.submit((gid, i, fn), self.task[fn], g["comps"][i]["text"],
-                            g["problems"][i]["answer"])
-
-    def grades(self):
-        for (gid, i, fn), result, failed in self.workers.poll():
-            g = self.groups[gid]
-            if fn == "turn":  # tool's words; None: final; a failure ends it
-                self.counters["tool_failures"] += failed
-                if not (isinstance(result, str) and self.go_on(gid, i, result)):
-                    self.submit(gid, i, "grade")
+    def grades(self):  # graders' and environments' replies
+        for (gid, i), value, fault in self.workers.poll():
+            g, c = self.groups[gid], self.groups[gid]["comps"][i]
+            if not self.task["env"]:  # a grade; `fault` says it failed
+                fault = fault or not isinstance(value, float)
+                self.counters["reward_failed"] += fault
+                c["reward"] = 0.0 if fault else value
+            elif fault:  # a raise, a hang, a wrong shape: this answer alone ends, at 0
+                self.fault(fault, value)
+                c["reward"] = 0.0
+            elif g["prompts"][i] is None:  # reset()'s prompt: the first turn
+                self.begin(gid, i, value, format_prompt(self.tok, value))
                 continue
-            ok = isinstance(result, float)
-            self.counters["reward_failed"] += not ok
-            g["comps"][i]["reward"] = result if ok else 0.0
-            g["left"] -= 1
-            if not g["left"]:
-                self.finish_group(self.groups.pop(gid))
+            else:
+                words, r, done = value
+                c["reward"] += r
+                if not (done or c["cut"] or c["turns"] >= self.cfg["max_turns"]):
+                    if self.go_on(gid, i, words):
+                        continue
+                self.workers.end((gid, i))
+            self.end_answer(gid, i, fault)
 
-    def go_on(self, gid, i, words):  # tool's tokens, then the next turn; False: cut
+    def fault(self, kind, text):  # counted; the first of each kind shown; all failing: stop
+        self.counters[f"env_{kind}s"] += 1
+        if kind not in self.faults:
+            self.faults[kind] = text
+            print(f"{self.cfg['task']}: an environment call failed ({kind}; counted in env_{kind}s,"
+                  f" only the first is shown):\n{text}", file=sys.stderr)
+
+    def end_answer(self, gid, i, failed):
         g = self.groups[gid]
-        c = g["comps"][i]
-        env = self.tok.encode(words, add_special_tokens=False)
-        room = self.cfg["max_new_tokens"] - len(c["ids"]) - len(env)
+        self.holding -= not g["eval"]  # its slot is free
+        self.answers[0] += 1
+        self.answers[1] += bool(failed)
+        first = 2 * self.cfg["group_size"]
+        if self.task["env"] and self.answers == [first, first]:
+            raise ValueError(f"{self.cfg['task']}: the first {first} answers all failed, the "
+                             f"environment is broken:\n{next(iter(self.faults.values()))}")
+        g["left"] -= 1
+        if not g["left"]:
+            self.finish_group(self.groups.pop(gid))
+
+    def go_on(self, gid, i, words):  # the reply's tokens, then the next turn; False: no room
+        g, c = self.groups[gid], self.groups[gid]["comps"][i]
+        stop = self.task["stop"]
+        if self.user_turn and not (stop and c["text"].endswith(stop)):  # as the user's turn
+            end = self.tok.decode(c["ids"][-1:])  # the model's end of turn, already its token
+            before, after = self.user_turn
+            words = (before[len(end):] if before.startswith(end) else before) + words + after
+        reply = self.tok.encode(words, add_special_tokens=False)
+        room = self.cfg["max_new_tokens"] - len(c["ids"]) - len(reply)
         if room <= 0:
             c["cut"] = True
             return False
-        extend(c, env, [0.0] * len(env), [self.version] * len(env), 0)
+        extend(c, reply, [0.0] * len(reply), [self.version] * len(reply), 0)
         c["text"] += words
-        self.add(gid, i, g["problems"][i]["ids"] + c["ids"], self.params(g["eval"], room))
+        self.add(gid, i, g["prompts"][i][1] + c["ids"], self.params(g["eval"], room))
         return True
 
     def finish_group(self, g):  # an eval's accuracy, or a group to train
-        versions = [v for c in g["comps"] for v in c["versions"] or [self.version]]
-        if g["eval"]:  # its tokens span these versions
-            n = len(g["comps"])
-            return self.send({"kind": "eval", "version": g["version"], "eval_n": n,
-                              "eval_accuracy": sum(c["reward"] == 1 for c in g["comps"]) / n,
+        comps = g["comps"]
+        versions = [v for c in comps for v in c["versions"] or [self.version]]
+        if g["eval"]:  # its tokens span these versions; an environment's success: reward > 0
+            won = [c["reward"] > 0 if self.task["env"] else c["reward"] == 1 for c in comps]
+            return self.send({"kind": "eval", "version": g["version"], "eval_n": len(comps),
+                              "eval_accuracy": sum(won) / len(comps),
                               "eval_versions": [min(versions), max(versions)]})
-        problem = g["problems"][0]
+        if not all(c["ids"] for c in comps):  # a reset() failed: no answer to compare with
+            return self.budget.give_back()
+        prompts = {tuple(ids) for _, ids in g["prompts"]}
+        if len(prompts) > 1:
+            raise ValueError(f"{self.cfg['task']}: reset() gave the {len(comps)} answers of seed "
+                             f"{g['problems'][0]['answer']} {len(prompts)} prompts; a group "
+                             "shares one: make the prompt depend on the seed alone")
+        (prompt, ids), problem = g["prompts"][0], g["problems"][0]
         msg = {"kind": "group",  # (or "eval", "bye")
                "pos": g["pos"],  # its place in the shared stream: its id
-               "prompt": problem["prompt"],  # as the task gave it
-               "prompt_ids": problem["ids"],  # chat template applied
-               "completions": g["comps"],  # group_size of completion()
+               "prompt": prompt,  # as the task gave it
+               "prompt_ids": ids,  # chat template applied
+               "completions": comps,  # group_size of completion()
                "version_min": min(versions)}  # its staleness when trained
+        if self.task["env"]:
+            msg["seed"] = problem["answer"]
         if self.cfg["drop_flat"] and reward.is_flat(msg):  # skipped: start another
             self.budget.give_back()
-        self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in g["comps"])  # generated
-        for c in g["comps"]:  # rank 0 unpickles 4 arrays, not 4 objects a token
+        self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in comps)  # generated
+        for c in comps:  # rank 0 unpickles 4 arrays, not 4 objects a token
             c.update({key: np.array(c[key], dtype) for key, dtype in TOKENS.items()})
         self.mark_idle()  # before the trainer sees this group
         self.send(msg)

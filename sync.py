@@ -1,12 +1,28 @@
 """sync.py: trainer<->engine wires via rank 0's TCPStore (heartbeats too): each engine's
 ctl (versions), traj (groups), weights (Sender), received into a copy as it generates
-(stage_weights=False, TP on GPUs: paused, by buckets). Simplifications: a fixed layout, one copy."""
+(stage_weights=False, TP on GPUs: paused, by buckets). Simplifications: a fixed layout, one copy.
+
+Runs in four places: every trainer rank (the store's clients, heartbeats), rank 0's sender
+threads (one per engine), each engine's loop (versions, groups), and each vLLM worker inside an
+engine (join, stage, load: the weights themselves). Rank 0's store keys (who writes, who reads):
+  start        rank 0 / engines: the version and prompt stream to begin from (JSON)
+  plan         rank 0 / workers: each weight's place in the flat copy (JSON)
+  shm, ipc     rank 0 / workers, colocated: the shared copy's file, or its CUDA IPC handle
+  rank{r}, beat{e}  each rank, engine / everyone: heartbeats, "count idle_seconds", or "bye"
+  joined{e}    engine / rank 0: it is up
+  idle{e}      engine / rank 0: the version it waits for (borrow_cpus), "" while busy
+  loaded{e}    engine / other engines: its version (budget.py's reserve)
+  started, pos engines / engines: groups started (the budget), stream positions taken"""
+import io
 import itertools
+import json
 import math
 import os
 import pickle
 import queue
+import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -22,13 +38,47 @@ DEAD_S = 10  # a peer silent this long is dead
 BUCKET = 2**27  # max bytes a broadcast moves
 
 
-def open_store(host, port, master, timeout_s):  # on rank 0's machine
+def open_store(host, port, master, timeout_s):
+    """Rank 0's store (master) or a client of it. The master listens on `host` alone: loopback
+    for one node, the interface MASTER_ADDR names for several (TCPStore by itself would listen on
+    every interface, open to any host that reaches the machine). Whoever reaches it can still
+    stop or stall the run: see the README's Security paragraph."""
     try:
+        listen = None
+        if master:
+            family, kind, proto, _, addr = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(128)
+            listen = sock.detach()  # the store's from now on
         return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=listen)
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"cannot open the trainer<->rollout store on {host}:{port} ({e}); "
                            "port in use? pick a free one: --rollout_port=PORT") from None
+
+
+# What may be unpickled from a peer: numpy arrays (groups), and the parts of a CUDA tensor's IPC
+# handle (colocate). Anything else (a function, os.system) is refused, so bytes written into
+# the store or the wires by another process cannot run code in ours.
+SAFE = {("numpy", "ndarray"), ("numpy", "dtype"), ("torch", "Size"), ("torch", "Tensor"),
+        ("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage"),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")}
+SAFE |= {(f"numpy.{core}.{mod}", name) for core in ("core", "_core") for mod, name in
+         (("multiarray", "_reconstruct"), ("multiarray", "scalar"), ("numeric", "_frombuffer"))}
+
+
+class Restricted(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in SAFE or module == "torch" and isinstance(
+                getattr(torch, name, None), torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused to unpickle {module}.{name} from a peer")
+
+
+def loads(data):  # pickle.loads, for plain data, arrays and tensor handles only
+    return Restricted(io.BytesIO(data)).load()
 
 
 class Heartbeat:
@@ -47,6 +97,9 @@ class Heartbeat:
     def moved(self):
         self.last_move = time.monotonic()
 
+    def forget_engines(self):  # a stop between steps: the engines' silence no longer matters
+        self.peers = {k: name for k, name in self.peers.items() if not k.startswith("beat")}
+
     def stop(self):
         self.stopped.set()
         self.thread.join(DEAD_S)
@@ -58,12 +111,12 @@ class Heartbeat:
             store.set_timeout(timedelta(seconds=DEAD_S))
             for n in itertools.count():
                 idle = time.monotonic() - (self.last_move or time.monotonic())
-                store.set(self.key, f"{n} {idle:.0f}")
+                store.set(self.key, f"{n} {max(0, int(idle))}")
                 self.every()
-                quiet = {}  # name -> seconds since its count changed
-                for (key, name), beat in zip(self.peers.items(), store.multi_get([*self.peers])):
+                quiet, peers = {}, self.peers  # name -> seconds since its count changed
+                for (key, name), beat in zip(peers.items(), store.multi_get([*peers])):
                     if beat not in (b"", b"bye"):  # begun (rank 0 set all empty), not ended
-                        quiet[name] = self.check(key, name, *beat.decode().split(), seen)
+                        quiet[name] = self.check(key, name, beat, seen)
                 if max(quiet.values(), default=0) > DEAD_S:  # it, and any silent with it
                     self.fail(*(f"{name} sent no heartbeat for {DEAD_S} s: dead, hung or node lost"
                                 for name, s in quiet.items() if s > DEAD_S / 2))
@@ -73,7 +126,11 @@ class Heartbeat:
             if not self.stopped.is_set():  # a clean end closes the store
                 self.fail(f"trainer rank 0's store on {host}:{port} is gone ({e})")
 
-    def check(self, key, name, n, idle, seen):
+    def check(self, key, name, beat, seen):
+        n, _, idle = beat.decode(errors="replace").partition(" ")
+        if not (n.isdigit() and idle.isdigit()):  # we write "count idle_seconds"
+            self.fail(f"{name}'s heartbeat key {key!r} holds {beat[:40]!r}: another process "
+                      "writes to the store; keep --rollout_port to this run (README, Security)")
         if seen.get(key, (None,))[0] != n:
             seen[key] = (n, time.monotonic())
         if int(idle) > self.loop_s:
@@ -111,7 +168,7 @@ def recv_obj(pg, src):
     pg.recv([size], src, 0).wait()
     data = torch.empty(int(size), dtype=torch.uint8)
     pg.recv([data], src, 1).wait()
-    return pickle.loads(data.numpy().tobytes())
+    return loads(data.numpy().tobytes())
 
 
 def broadcast_version(pg, version=0):  # ctl: rank 0's version to the engine (-1: stop)
@@ -144,10 +201,9 @@ def weights_in(flat, weights):  # a bucket's flat tensor -> [(name, view)]
     return [(name, part.view(shape)) for (name, shape), part in zip(weights, flat.split(sizes))]
 
 
-def staging(plan, cfg, device):  # a flat copy (colocated CPUs: /dev/shm)
+def staging(plan, cfg, device, path=None):  # a flat copy (colocated CPUs: a file in /dev/shm)
     size, dtype = sum(n for _, n, _ in plan), getattr(torch, cfg["rollout_dtype"])
-    if cfg["colocate"] and device.type == "cpu":
-        path = f"/dev/shm/nanoasync-{cfg['rollout_port']}"  # unlinked once all mapped
+    if path:  # unlinked once all mapped
         return torch.from_file(path, shared=True, size=size, dtype=dtype)
     return torch.empty(size, dtype=dtype, device=device)
 
@@ -194,12 +250,16 @@ class Sender:
         self.ctls = ctls
         self.colocate = cfg["colocate"]
         self.paused = not (self.colocate or staged(cfg))  # then engines are told first
-        if self.colocate:  # the workers' staging copy
+        if self.colocate and device.type == "cpu":  # a new file of ours (O_EXCL: no link)
+            fd, path = tempfile.mkstemp(prefix="nanoasync-", dir="/dev/shm")
+            os.close(fd)
+            store.set("shm", path)
+            self.copy = staging(plan, cfg, device, path)
+        elif self.colocate:  # the workers' staging copy
+            from torch.multiprocessing.reductions import reduce_tensor
             self.copy = staging(plan, cfg, device)
-            if device.type == "cuda":
-                from torch.multiprocessing.reductions import reduce_tensor
-                store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
-        store.set("plan", pickle.dumps(plan))  # last: the workers wait for it
+            store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
+        store.set("plan", json.dumps(plan))  # last: the workers wait for it
         self.links = [weight_groups(store, e, 0, device, cfg) for e in range(len(ctls))]
         if self.colocate and device.type == "cpu":  # all mapped: none left after a kill -9
             os.unlink(self.copy.untyped_storage().filename)
@@ -259,8 +319,7 @@ def fill(flat, plan, tensors):  # (name, tensor) in plan order -> cast into flat
 
 
 def push(sender, tensors, version, check_alive=lambda: None):
-    if sender.error:
-        raise RuntimeError(sender.error)
+    """A sender thread's failure is raised by Fleet.check_alive at the next step boundary."""
     if not sender.colocate:
         sender.publish(None)  # threads not yet on the last take this one
         snapshot = staging(sender.plan, sender.cfg, sender.device)
@@ -279,12 +338,14 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
-    plan = pickle.loads(store.get("plan"))  # get() waits for it
+    plan = json.loads(store.get("plan"))  # get() waits for it
     copy = None  # paused: none
     if cfg["colocate"] and cuda:  # the trainer's, via CUDA IPC
-        fn, args = pickle.loads(store.get("ipc"))
+        fn, args = loads(store.get("ipc"))
         copy = fn(*args)
-    elif cfg["colocate"] or staged(cfg):
+    elif cfg["colocate"]:  # the trainer's file
+        copy = staging(plan, cfg, device, store.get("shm").decode())
+    elif staged(cfg):
         copy = staging(plan, cfg, device)
     groups = weight_groups(store, e, 1 + worker.rank, device, cfg)
     if cfg.get("lora_rank"):  # a zero adapter (the base's outputs) till the first push

@@ -1,7 +1,11 @@
 """train.py: asynchronous GRPO. `torchrun --nproc_per_node=N train.py config/X.py [--key=value]`.
 FSDP2 ranks train; vLLM engines generate nonstop (fleet.py). Step k takes a batch (buffer.py),
 trains version k (loss.py), sends weights (sync.py), logs. Simplifications: one AdamW step a
-batch, constant lr; no KL penalty or reference model (as DAPO); rank 0 alone talks to engines."""
+batch, constant lr; no KL penalty or reference model (as DAPO); rank 0 alone talks to engines.
+
+Runs in every trainer rank that torchrun starts: the same file, top to bottom, on each, with
+`master` (rank 0) also owning the engines' end of every wire, the buffer, the log and the
+checkpoints. Rank 0 is the only rank that reads or writes files in out_dir."""
 import json
 import os
 import signal
@@ -21,7 +25,7 @@ import loss as L
 import lora
 import metrics
 import sync
-from fleet import Fleet, kill, place, spawn, watch
+from fleet import Fleet, kill, place, spawn, store_host, watch
 
 # ---- config/*.py, then --key=value, override these defaults ----
 model = "data/tiny"  # an HF folder or hub id
@@ -63,14 +67,18 @@ rollout_port = 29600  # the trainer-engine store, on rank 0
 timeout_s = 120  # a peer silent this long is dead: exit
 start_timeout_s = 900  # engine start (GPU: compiling, CUDA graphs)
 stall_s = 600  # this long with nothing usable (flat, stale): stop
+unsafe_graders = False  # run graders that evaluate the model's text as code (reward.UNSAFE_RG)
 reward_timeout_s = 5.0  # a longer grade is killed, scores 0 (reward_failed)
 grader_workers = 2  # grader processes per engine
-ckpt_every = 0  # {out_dir}/ckpt.pt every K steps, at the end, on signals
+# {out_dir}/ckpt.pt every K steps and at the end; and at any stop between two steps (a signal, a
+# stall, a dead engine, a non-finite gradient), so a crash loses at most K steps. 0: never
+ckpt_every = 50
 resume = False  # continue exactly from {out_dir}/ckpt.pt
 lora_rank = 0  # > 0: train a LoRA adapter of this rank (lora.py), base frozen
 lora_alpha = 32  # the adapter's scale: lora_alpha / lora_rank
 lora_targets = "all-linear"  # PEFT's target_modules, or "q_proj,v_proj"
 config = configurator.apply(globals(), sys.argv[1:])
+given = dict(config)  # as the user wrote it (a hub id, not its cache folder): for checkpoints
 torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 for k, v in torchrun.items():
@@ -120,13 +128,19 @@ ckpt_path = f"{out_dir}/ckpt.pt"
 
 
 def save_checkpoint(version):  # all gather; rank 0 writes it atomically
+    global saved
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=full_state)
     if master:
         with open(ckpt_path + ".tmp", "wb") as f:
             torch.save({"version": version, "model": model_sd, "optim": optim_sd,
-                        "loss_scale": loss_scale, **fleet.resume_state(), **log.state()}, f)
+                        "loss_scale": loss_scale, "config": given, **fleet.resume_state(),
+                        **log.state()}, f)
             os.fsync(f.fileno())
         os.replace(ckpt_path + ".tmp", ckpt_path)
+    saved = f"checkpoint at version {version}, continue with --resume"
+
+
+saved = ""  # what the last checkpoint written by this run holds, for the last words
 
 
 ckpt = torch.load(ckpt_path, weights_only=True) if resume and master else {}
@@ -155,7 +169,7 @@ if master:
 else:
     if engine_gpus:  # another node's, numbered after node 0's
         engines = spawn(config, engine_gpus, rank // local_world * rollout_engines,
-                        rollout_engines * nodes, os.environ["MASTER_ADDR"], plan)
+                        rollout_engines * nodes, store_host(nodes), plan)
     heartbeat = watch(config, rank, world, local_world, nodes, engines)
 
 
@@ -193,12 +207,19 @@ try:
                 msg = {"shares": buffer.deal(groups, world), "n_tok": n_tok}
             except buffer.Stopped as e:
                 msg = {"stop": str(e)}
+            except RuntimeError as e:  # an engine died; our state is whole all the same
+                msg, died = {"stop": str(e), "failed": True}, e
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=batches)
         msg = box[0]
-        if "stop" in msg:  # between steps, where the state is whole
-            if ckpt_every:
+        if "stop" in msg:  # between steps, where the state is whole: keep it
+            # the engines are going: no rank may take their silence for a reason to exit
+            # while a large checkpoint is written
+            heartbeat.forget_engines()
+            if ckpt_every and version > start:  # (nothing new: a re-run needs no --resume)
                 save_checkpoint(version)
+            if msg.get("failed"):
+                raise died if master else RuntimeError(msg["stop"])
             raise buffer.Stopped(msg["stop"])
         mine = L.micro_batches(msg["shares"][rank], micro_batch_tokens)
         # ---- 2. the loss and one optimizer step ----
@@ -218,15 +239,21 @@ try:
         for _, p in trained if loss_scale != 1 else ():  # fp16: unscaled
             p.grad.div_(loss_scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip).full_tensor()
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-        elif loss_scale > 1:  # fp16 overflowed: skip this step, halve the scale
-            loss_scale /= 2
-        else:  # it would poison the weights: stop
-            raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: lower lr or "
-                                     "check the data (then --resume from the last checkpoint)")
-        optimizer.zero_grad()
         dist.all_reduce(sums)
+        forward_ok = torch.isfinite(sums[0])  # the loss: a forward that overflowed has none
+        if torch.isfinite(grad_norm) and forward_ok:
+            optimizer.step()
+        elif loss_scale > 1 and forward_ok:  # fp16's scaled backward overflowed: skip, halve
+            loss_scale /= 2
+        else:  # it would poison the weights: stop, keeping the last good ones
+            if ckpt_every:
+                save_checkpoint(step)
+            why = "lower lr or check the data"  # a smaller scale would not help a forward
+            if trainer_dtype == "float16" and not forward_ok:
+                why = "the forward pass overflowed float16's range: use bfloat16"
+            raise FloatingPointError(f"step {step}: gradient norm {grad_norm.item()}: {why} (then "
+                                     "--resume from the last checkpoint)")
+        optimizer.zero_grad()
         t_train = time.perf_counter() - t0
         version = step + 1
         # ---- 3. the new weights to every engine ----
@@ -261,6 +288,8 @@ try:
     dist.barrier()
 except Exception as error:  # a signal, a stall (Stopped), an error: all ranks end here
     if not isinstance(error, buffer.Stopped):
+        if saved and master:
+            print(f"{saved} once the cause below is fixed", file=sys.stderr)
         if master and isinstance(error, RuntimeError):  # a broken wire: a dead engine?
             try:  # time for its exit code to show: check_alive() names it
                 fleet.wait(lambda: False, sync.DEAD_S + 2)
@@ -268,8 +297,7 @@ except Exception as error:  # a signal, a stall (Stopped), an error: all ranks e
                 error = cause
         traceback.print_exception(error)
     elif master:
-        saved = f"; checkpoint at version {version}, continue with --resume" if ckpt_every else ""
-        print(f"stopped at step {step}: {error}{saved}", file=sys.stderr)
+        print(f"stopped at step {step}: {error}" + (f"; {saved}" if saved else ""), file=sys.stderr)
         log.close(fleet.evals)  # a tracker's run ends finished
     kill(fleet.procs if master else engines)
     sys.stdout.flush()  # stderr: line-buffered

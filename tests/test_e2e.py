@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import sqlite3
 import struct
@@ -16,7 +17,6 @@ import psutil
 import pytest
 import torch
 
-import tool_task
 from conftest import ROOT, free_port
 
 KEYS = ("step version reward_mean response_len_mean staleness_mean staleness_max "
@@ -116,23 +116,53 @@ reward.grade_number = functools.wraps(slow)(
 """
 
 
-def test_a_task_with_a_tool_trains_on_the_models_tokens_across_turns(tiny, tmp_path):
-    """tests/tool_task.py's tool in every process of the run, η = 0 in fp32: the behaviour
-    logprobs of the model's tokens, over all turns, equal the trainer's; the tool's tokens are
-    counted apart; calls that raise, hang past reward_timeout_s or return a megabyte are counted
-    failures that end their answer, and the run goes on."""
-    hook = tool_task.install(tmp_path / "hook")
-    env = dict(os.environ, TOOL_MISBEHAVES="1",
-               PYTHONPATH=os.pathsep.join([str(hook), f"{ROOT}/tests", ROOT]))
-    steps, _, _ = train(tmp_path / "run", *SYNC, "--max_steps=4", "--max_turns=3",
-                        "--reward_timeout_s=2", env=env)
+def test_an_environment_keeps_its_state_across_turns_and_trains_on_the_models_tokens(tiny,
+                                                                                    tmp_path):
+    """tests/toy_envs.py's Counter, η = 0 in fp32: each answer's replies count 1, 2, 3 (its own
+    object served all its turns, and no other answer's); the behaviour logprobs of the model's
+    tokens, over all turns, equal the trainer's; the replies' tokens are counted apart; steps that
+    raise or hang past reward_timeout_s end their answer alone, counted by kind, the first of
+    each shown once; held-out seeds are never trained on; no process is left behind."""
+    env = dict(os.environ, TOOL_MISBEHAVES="1")
+    steps, evals, p = train(tmp_path / "run", *SYNC, "--max_steps=4", "--max_turns=3",
+                            "--reward_timeout_s=2", "--task=env:tests/toy_envs.py:Counter",
+                            "--eval_every=4", env=env)
     for m in steps:
-        assert m["logprob_mismatch"] < 1e-4 and m["staleness_max"] == 0, m
+        assert m["logprob_mismatch"] < 1e-5 and m["staleness_max"] == 0, m
         assert 1 <= m["turns_mean"] <= 3, m
-    assert max(m["turns_mean"] for m in steps) > 1.2, steps  # 0.2 tool calls per answer
-    assert 0 < max(m["env_token_frac"] for m in steps) < 0.5 and steps[-1]["tool_failures"] > 0
+    assert max(m["turns_mean"] for m in steps) > 1.2, steps  # 0.2 replies per answer
+    assert 0 < max(m["env_token_frac"] for m in steps) < 0.5
+    assert steps[-1]["env_errors"] > 0 and steps[-1]["env_timeouts"] > 0, steps[-1]
+    assert p.stderr.count("an environment call failed (error;") == 1, p.stderr[-3000:]
+    assert p.stderr.count("an environment call failed (timeout;") == 1, p.stderr[-3000:]
+    assert [e["version"] for e in evals] == [0, 4] and all(e["eval_n"] == 20 for e in evals)
     dialogues = [json.loads(line)["completion"] for line in open(tmp_path / "run/samples.jsonl")]
-    assert any(" = " in d for d in dialogues)  # samples.jsonl shows the tool's words too
+    counts = [[int(n) for n in re.findall(r" <reply (\d+)>", d)] for d in dialogues]
+    assert any(counts) and all(c == list(range(1, len(c) + 1)) for c in counts), counts
+    # training seeds come from the run's stream, never from the eval's 0..eval_n-1
+    import env as env_mod
+    seeds = [int(json.loads(line)["prompt"].split()[2])
+             for line in open(tmp_path / "run/samples.jsonl")]
+    assert seeds and min(seeds) >= env_mod.EVAL_SEEDS, seeds
+
+
+def test_a_gymnasium_style_environment_runs_unchanged(tiny, tmp_path):
+    steps, _, _ = train(tmp_path / "run", *SYNC, "--max_steps=2", "--max_turns=3",
+                        "--task=env:tests/toy_envs.py:GymCounter", "--eval_every=0")
+    assert max(m["turns_mean"] for m in steps) > 1 and steps[-1]["env_errors"] == 0, steps
+
+
+def test_a_broken_environment_stops_the_run_at_once(tiny, tmp_path):
+    """Every real step raises: the engine stops after the first groups' answers, printing the
+    traceback and the class, and the trainer names the engine's exit; nothing is left running."""
+    t0 = time.time()
+    p = subprocess.run(command(tmp_path, "--task=env:tests/toy_envs.py:Broken", "--max_turns=2",
+                               "--eval_every=0"), cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0 and time.time() - t0 < 90, p.stderr[-3000:]
+    assert "the first 8 answers all failed, the environment is broken" in p.stderr
+    assert "RuntimeError: broken on purpose" in p.stderr and "toy_envs.py" in p.stderr
+    assert not (tmp_path / "ckpt.pt").exists() and not ours(tmp_path)
 
 
 def test_a_slow_grader_does_not_stall_the_engine(tiny, tmp_path):
@@ -338,7 +368,9 @@ def test_two_nodes_each_start_their_own_engine_and_end_cleanly(tiny, tmp_path, r
 
 
 def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_path):
-    p = start(tmp_path, "--eval_every=0", "--timeout_s=30")
+    """... and at the step boundary where it is seen, every step trained so far is checkpointed,
+    though only a stop request would checkpoint at ckpt_every=1000."""
+    p = start(tmp_path, "--eval_every=0", "--timeout_s=30", "--ckpt_every=1000")
     rollout = [q for q in ours(tmp_path) if "rollout.py" in " ".join(q.cmdline())]
     assert len(rollout) == 1
     t0 = time.time()
@@ -350,6 +382,9 @@ def test_a_killed_rollout_process_stops_training_quickly_and_cleanly(tiny, tmp_p
     assert f"rollout process 0 (node 0, pid {rollout[0].pid}) exited with code -9" in err
     assert took < 20, took
     assert not ours(tmp_path)
+    done, _ = metrics(tmp_path)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["version"] == len(done)
+    assert f"checkpoint at version {len(done)}, continue with --resume once the cause" in err
 
 
 def test_a_killed_trainer_takes_the_rollout_process_down(tiny, tmp_path):
@@ -379,6 +414,9 @@ def test_a_nan_gradient_stops_the_run_before_it_reaches_the_weights(tiny, tmp_pa
     assert "FloatingPointError: step " in p.stderr and ": lower lr or check the data" in p.stderr
     steps, _ = metrics(tmp_path)
     assert 1 <= len(steps) < 20 and all(math.isfinite(m["grad_norm"]) for m in steps)
+    # the last good weights are kept (ckpt_every's default is far off)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["version"] == len(steps) and all(t.isfinite().all() for t in ckpt["model"].values())
     assert not ours(tmp_path)
 
 
@@ -685,11 +723,14 @@ def test_a_quiet_engine_is_not_a_dead_one(tiny, tmp_path):
 
 def test_a_remote_engine_killed_is_named_on_both_nodes_within_seconds(tiny, tmp_path):
     """Two nodes (torchrun agents here), one rank and one engine each; node 1's engine is
-    SIGKILLed mid-run: its node names it with its pid and exit code, rank 0 by engine and node once
-    its heartbeats stop, and every process of both nodes is gone within 20 s."""
+    SIGKILLed mid-run: its node names it with its pid and exit code, rank 0 by engine and node
+    (its wire breaks, or its heartbeats stop), and every process of both nodes is gone within
+    20 s."""
     engine, errs = kill_mid_run(tmp_path, "engine", lambda nodes: [
         q for q in ours(tmp_path) if q.cmdline()[-1] == "1" and "rollout.py" in q.cmdline()[1]])
-    assert "rollout process 1 (node 1) sent no heartbeat for 10 s" in errs[0], errs[0][-3000:]
+    # rank 0 names it (by the broken wire, or its silence), and keeps the steps trained so far
+    assert "rollout process 1 (node 1)" in errs[0], errs[0][-3000:]
+    assert "checkpoint at version" in errs[0] and (tmp_path / "ckpt.pt").exists()
     assert f"rollout process 1 (node 1, pid {engine.pid}) exited with code -9" in errs[1]
 
 

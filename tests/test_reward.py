@@ -1,4 +1,5 @@
 import json
+import re
 import time
 
 import pytest
@@ -148,18 +149,25 @@ def test_the_calculator_computes_arithmetic_and_nothing_else():
     assert turn("<calc>10 / 4</calc>", "1") == "<result>2.5</result>"
 
 
-def test_the_calculator_task():
+def test_the_calculator_is_an_environment():
+    """task = "calculator" is the environment reward.Calculator: a seed's problem, a call's
+    result appended to the model's message, the answer after it graded."""
     cfg = {"task": "calculator", "seed": 0, "eval_n": 50, "max_turns": 3}
     task = reward.load_task(cfg)
-    assert len(task["eval"]) == 50 and task["turn"] and task["stop"] == "</calc>"
-    p = task["train"][0]
-    assert p["prompt"][1]["content"].startswith("<calc>") and p["prompt"][-1]["role"] == "user"
+    assert task["env"] == "env:reward:Calculator" and task["stop"] == "</calc>"
+    assert [p["answer"] for p in task["eval"]] == list(range(50))  # held-out seeds
+    assert min(p["answer"] for p in task["train"]) >= 50
+    env = reward.Calculator(7)
+    prompt = env.reset()
+    assert prompt[1]["content"].startswith("<calc>") and prompt[-1]["role"] == "user"
+    assert prompt == reward.Calculator(7).reset() != reward.Calculator(8).reset()
+    a, b = map(int, re.findall(r"\d+", prompt[-1]["content"]))
+    assert env.step(f"<calc>{a} * {b}</calc>") == (f"<result>{a * b}</result>", 0.0, False)
+    assert env.step(f" The answer is {a * b}.") == (None, 1.0, True)
+    assert reward.Calculator(7).step("The answer is 3.") == (None, 0.0, True)
     alone = reward.load_task(dict(cfg, max_turns=1))  # the baseline: no calculator offered
-    assert alone["turn"] is None and "<calc>" not in json.dumps(alone["train"])
-    assert [p["answer"] for p in alone["eval"]] == [p["answer"] for p in task["eval"]]
-    # the grade reads what the model says after the last result, not the result itself
-    assert task["grade"]("<calc>2 * 3</calc><result>6</result> The answer is 6.", "6") == 1.0
-    assert task["grade"]("<calc>2 * 3</calc><result>6</result>", "6") == 0.0
+    assert alone["env"] == "env:reward:CalculatorNoTool" and alone["stop"] is None
+    assert "<calc>" not in json.dumps(reward.CalculatorNoTool(7).reset())
 
 
 @pytest.mark.parametrize("name", ["chain_sum", "letter_counting"])
@@ -171,7 +179,7 @@ def test_a_reasoning_gym_task_is_graded_by_its_own_scorer(name):
     cfg = {"task": f"rg:{name}", "seed": 0, "eval_n": 50, "max_turns": 1}
     task = reward.load_task(cfg)
     train, test = task["train"], task["eval"]
-    assert len(test) == 50 and len(train) > 4000 and task["turn"] is None
+    assert len(test) == 50 and len(train) > 4000 and task["env"] is None
     question = lambda p: p["prompt"][-1]["content"]
     assert not {question(p) for p in train} & {question(p) for p in test}
     assert test == reward.load_task(cfg)["eval"]  # reproducible from the seed

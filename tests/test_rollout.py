@@ -8,6 +8,7 @@ engine-0 eval runs across those loads: it does not hold them up, and reports the
 import ast
 import math
 import os
+import re
 import time
 
 import numpy as np
@@ -19,7 +20,6 @@ import fleet as fleet_mod
 import lora as lora_mod
 from reward import is_flat
 import sync
-import tool_task
 from conftest import ROOT, free_port
 
 
@@ -41,12 +41,11 @@ def defaults():  # train.py's default config, without running train.py
 
 @pytest.mark.parametrize("tool", [False, True])
 def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_path, monkeypatch):
-    """tool: tests/tool_task.py's task, whose tool answers turns that end in "1": the same across
-    turns, which may each meet other weights; the tool's tokens carry no logprob and no loss."""
-    if tool:
-        hook = tool_task.install(tmp_path / "hook")
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), f"{ROOT}/tests"]))
-    cfg = dict(defaults(), model=tiny["tied"], rollout_port=free_port(), max_new_tokens=160,
+    """tool: tests/toy_envs.py's Counter, whose replies answer turns that end in "1": the same
+    across turns, which may each meet other weights; the replies carry no logprob and no loss."""
+    task = "env:tests/toy_envs.py:Counter" if tool else "arithmetic"
+    monkeypatch.chdir(ROOT)
+    cfg = dict(defaults(), model=tiny["tied"], task=task, rollout_port=free_port(), max_new_tokens=160,
                max_model_len=224, batch_groups=1000, group_size=4, rollout_seqs=16,
                max_staleness=0, eval_every=1, eval_n=100, timeout_s=60, max_steps=1000,
                max_turns=4)
@@ -90,6 +89,11 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
                 elif v:  # version 0 is the model as saved: neither peaked nor uniform
                     assert (abs(lp - uniform) < 1e-4) == (v % 2 == 0), (v, lp, c["versions"])
     assert mixed >= 3 and len(tagged) >= 6, (mixed, tagged)  # loads did land mid-answer
+    if tool:  # each answer's own environment object served all its turns, and only those
+        counts = [[int(n) for n in re.findall(r" <reply (\d+)>", c["text"])]
+                  for g in groups for c in g["completions"]]
+        assert all(c == list(range(1, len(c) + 1)) for c in counts), counts
+        assert sum(len(c) >= 2 for c in counts) >= 3, counts
     assert (max(turns) == 4) == tool, turns  # max_turns: a fourth turn is final whatever it says
     # evals ran across loads: no load waited for one
     evals = {e["version"]: e for e in fleet.evals}
