@@ -113,7 +113,9 @@ class Envs:
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(["env", "reward", module])  # imported once, forked
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # 2 descriptors an answer
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        if soft != resource.RLIM_INFINITY and soft < 1 << 16:  # 1,024 by default: too few
+            want = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
         self.live = {}  # key -> (process, connection)
         self.due = {}  # key -> deadline of the call it has not answered yet
 
@@ -123,7 +125,7 @@ class Envs:
 
     def start(self, key, seed):
         ours, theirs = self.ctx.Pipe()
-        p = self.ctx.Process(target=serve, args=(theirs, self.spec, seed), daemon=True)
+        p = self.ctx.Process(target=serve, args=(theirs, self.spec, seed))  # may have children
         main = sys.modules["__main__"]  # a child would run our script again (no main guard)
         sys.modules["__main__"] = types.ModuleType("__main__")  # serve() needs none of it
         try:

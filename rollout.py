@@ -304,9 +304,10 @@ class Rollout:
             c["cut"] = o.finish_reason == "length"
             if not g["eval"]:
                 self.in_vllm -= 1
-            if self.task["env"]:  # the whole turn, to its environment
+            if self.task["env"]:  # the whole turn, to its environment (the slot stays held)
                 self.workers.call((gid, i), said)
-            else:
+            else:  # its last turn: the slot is free as it is graded
+                self.holding -= not g["eval"]
                 self.workers.submit((gid, i), self.task["grade"], c["text"],
                                     g["problems"][i]["answer"])
 
@@ -341,7 +342,8 @@ class Rollout:
 
     def end_answer(self, gid, i, failed):
         g = self.groups[gid]
-        self.holding -= not g["eval"]  # its slot is free
+        if self.task["env"]:  # its slot is free (a graded answer's was at submit)
+            self.holding -= not g["eval"]
         self.answers[0] += 1
         self.answers[1] += bool(failed)
         first = 2 * self.cfg["group_size"]

@@ -12,7 +12,8 @@ engine (join, stage, load: the weights themselves). Rank 0's store keys (who wri
   joined{e}    engine / rank 0: it is up
   idle{e}      engine / rank 0: the version it waits for (borrow_cpus), "" while busy
   loaded{e}    engine / other engines: its version (budget.py's reserve)
-  started, pos engines / engines: groups started (the budget), stream positions taken"""
+  started, pos engines / engines: groups started (the budget), stream positions taken
+  ctl{e}/, traj{e}/, wake{e}/, weights{e}/  the process groups' own keys (PrefixStore)"""
 import io
 import itertools
 import json

@@ -19,7 +19,7 @@ import metrics
 import reward
 import sync
 from conftest import ROOT, free_port
-from test_e2e import command, metrics as read_metrics, ours, start, train
+from e2e import command, metrics as read_metrics, ours, start, train
 
 
 def test_a_resume_keeps_every_row_before_its_checkpoint(tmp_path):

@@ -7,7 +7,6 @@ sampled it. The version each token is tagged with must say the same, across load
 engine-0 eval runs across those loads: it does not hold them up, and reports the versions it saw."""
 import ast
 import math
-import os
 import re
 import time
 
