@@ -292,7 +292,8 @@ class Sender:
                     broadcast_version(self.ctls[e], version)
                 snapshot = w = None  # (w holds a view) now freeable
         except Exception as err:
-            self.error = f"sending weights to rollout process {e} failed: {err}"
+            node = e // self.cfg["rollout_engines"]  # engines are numbered node by node
+            self.error = f"sending weights to rollout process {e} (node {node}) failed: {err}"
 
     def publish(self, latest):
         with self.cond:

@@ -25,7 +25,7 @@ import loss as L
 import lora
 import metrics
 import sync
-from fleet import Fleet, kill, place, spawn, store_host, watch
+from fleet import Fleet, kill, place, report_exits, spawn, store_host, watch
 
 # ---- config/*.py, then --key=value, override these defaults ----
 model = "data/tiny"  # an HF folder or hub id
@@ -246,7 +246,7 @@ try:
         elif loss_scale > 1 and forward_ok:  # fp16's scaled backward overflowed: skip, halve
             loss_scale /= 2
         else:  # it would poison the weights: stop, keeping the last good ones
-            if ckpt_every:
+            if ckpt_every and step > start:
                 save_checkpoint(step)
             why = "lower lr or check the data"  # a smaller scale would not help a forward
             if trainer_dtype == "float16" and not forward_ok:
@@ -299,6 +299,8 @@ except Exception as error:  # a signal, a stall (Stopped), an error: all ranks e
     elif master:
         print(f"stopped at step {step}: {error}" + (f"; {saved}" if saved else ""), file=sys.stderr)
         log.close(fleet.evals)  # a tracker's run ends finished
+    node = rank // local_world  # another node's engines that died are named there, once
+    report_exits(engines, node * rollout_engines, node)
     kill(fleet.procs if master else engines)
     sys.stdout.flush()  # stderr: line-buffered
     # not sys.exit: tearing down groups whose threads wait on a peer hangs
