@@ -77,8 +77,6 @@ def resolve_model(name):  # -> a local folder, or the hub's copy
 
 
 def check(cfg, world):  # before anything starts -> cfg, model resolved
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    import lora
     import reward
     if cfg["batch_groups"] % world:
         die(f"batch_groups={cfg['batch_groups']}: use a multiple of the {world} trainer ranks")
@@ -105,6 +103,26 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
         die(f"tracker {cfg['tracker']!r} is not installed: pip install {cfg['tracker']}")
     given = cfg  # the model as written: a hub id resolves to another folder on another machine
     cfg = dict(cfg, model=resolve_model(cfg["model"]))
+    check_model(cfg)
+    try:  # the engines load it too; errors are clearer here
+        task = reward.load_task(cfg)
+    except (OSError, ValueError, KeyError) as e:
+        die(str(e))
+    if task["env"] and os.environ["RANK"] == "0":  # played once, as an engine would
+        import env
+        why = env.smoke(task["env"], cfg["reward_timeout_s"])
+        if why:
+            die(f"task {cfg['task']!r}: seed 0's reset(), then step(''), failed: {why}")
+    if os.environ["RANK"] == "0":  # rank 0 alone reads it: other nodes need no copy
+        check_checkpoint(cfg, given)
+    return cfg
+
+
+def check_model(cfg):
+    """The model folder: a causal LM with weights, whose attention the trainer computes as vLLM
+    does, and LoRA settings vLLM can serve."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    import lora
     conf = json.load(open(f"{cfg['model']}/config.json"))
     kind, archs = conf.get("model_type"), conf.get("architectures") or []
     causal = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
@@ -131,18 +149,6 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(cfg["model"])):
         die(f"model folder {cfg['model']!r} has no weights (*.safetensors): an interrupted "
             "download? fetch it again (`python prepare.py tiny|smollm2` makes one offline)")
-    try:  # the engines load it too; errors are clearer here
-        task = reward.load_task(cfg)
-    except (OSError, ValueError, KeyError) as e:
-        die(str(e))
-    if task["env"] and os.environ["RANK"] == "0":  # played once, as an engine would
-        import env
-        why = env.smoke(task["env"], cfg["reward_timeout_s"])
-        if why:
-            die(f"task {cfg['task']!r}: seed 0's reset(), then step(''), failed: {why}")
-    if os.environ["RANK"] == "0":  # rank 0 alone reads it: other nodes need no copy
-        check_checkpoint(cfg, given)
-    return cfg
 
 
 # what a resumed run must share with its checkpoint: they shape the prompt stream or the weights
