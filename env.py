@@ -41,7 +41,8 @@ def load(spec):
         if not os.path.isfile(module):
             raise ValueError(f"task {spec!r}: no file {module!r}")
         folder, module = os.path.split(os.path.abspath(module[:-3]))
-        sys.path.insert(0, folder)
+        if folder not in sys.path:  # load() runs more than once a process
+            sys.path.insert(0, folder)
     elif os.getcwd() not in sys.path:  # `python train.py` has its own folder, not the cwd
         sys.path.insert(0, os.getcwd())
     try:

@@ -135,7 +135,7 @@ class Fleet:  # rank 0's end of each engine
             if p.poll() is not None:
                 raise RuntimeError(f"rollout process {e} (node 0, pid {p.pid}) exited with code "
                                    f"{p.returncode}; its output is above")
-        if self.sender and self.sender.error:  # checked here, between steps, where a checkpoint can be made
+        if self.sender and self.sender.error:  # seen here, between steps: a checkpoint can follow
             raise RuntimeError(self.sender.error)
 
     def receive(self, e, traj):  # a thread an engine, until its bye

@@ -193,9 +193,10 @@ def test_bad_input_is_one_line(tiny, tmp_path, setup, args, message):
     data = tmp_path / "data.jsonl"
     extra = []
     if setup in ("rows", "number", "latin1"):
-        data.write_bytes({"rows": b'{"question": "q", "answer": "1"}\n' * 3,
-                          "number": b'{"question": "q", "answer": 1}\n{"question": 5, "answer": 1}\n',
-                          "latin1": '{"question": "caf\xe9", "answer": 1}\n'.encode("latin-1")}[setup])
+        rows = {"rows": b'{"question": "q", "answer": "1"}\n' * 3,
+                "number": b'{"question": "q", "answer": 1}\n{"question": 5, "answer": 1}\n',
+                "latin1": '{"question": "caf\xe9", "answer": 1}\n'.encode("latin-1")}
+        data.write_bytes(rows[setup])
         extra = [f"--data_path={data}"]
     elif setup == "window":  # the tiny model, attending within 64 tokens
         import shutil

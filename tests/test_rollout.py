@@ -44,7 +44,8 @@ def test_every_token_is_tagged_with_the_weights_that_sampled_it(tiny, tool, tmp_
     across turns, which may each meet other weights; the replies carry no logprob and no loss."""
     task = "env:tests/toy_envs.py:Counter" if tool else "arithmetic"
     monkeypatch.chdir(ROOT)
-    cfg = dict(defaults(), model=tiny["tied"], task=task, rollout_port=free_port(), max_new_tokens=160,
+    cfg = dict(defaults(), model=tiny["tied"], task=task, rollout_port=free_port(),
+               max_new_tokens=160,
                max_model_len=224, batch_groups=1000, group_size=4, rollout_seqs=16,
                max_staleness=0, eval_every=1, eval_n=100, timeout_s=60, max_steps=1000,
                max_turns=4)

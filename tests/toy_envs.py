@@ -9,7 +9,8 @@ STOP = "1"
 
 class Counter:
     """State across turns: a reply says how many steps this object took, " <k>", so an answer's
-    replies read <reply 1>, <reply 2> in order exactly when its own object served all its turns. With
+    replies read <reply 1>, <reply 2> in order exactly when its own object served all its turns.
+    With
     TOOL_MISBEHAVES set, by the turn's length, some steps raise and some hang."""
     stop = STOP
 
