@@ -131,7 +131,7 @@ def check_model(cfg):
         die(f"{cfg['model']!r} is a {'/'.join(archs) or kind!r}: use a causal (decoder-only) LM")
     if cfg["lora_rank"] not in (0, 1, 8, 16, 32, 64, 128, 256, 320, 512):  # 0: every weight
         die(f"lora_rank={cfg['lora_rank']} is none of vLLM's: 1, 8, 16, 32, 64, 128, 256, 320, 512")
-    if cfg["lora_rank"] and not lora.servable(archs):
+    if cfg["lora_rank"] and os.environ["RANK"] == "0" and not lora.servable(archs):
         die(f"vLLM has no LoRA for {'/'.join(archs) or kind}: --lora_rank=0 trains every weight")
     # the packed attention (loss.py) is full causal attention, without softcapping or sinks: a
     # model that needs them would train on other logprobs than vLLM samples from (a sliding

@@ -21,10 +21,10 @@ def add(net, cfg, dtype):  # adapters in -> the model; base frozen in dtype, no 
     if cfg["lora_targets"] != "all-linear" and set(cfg["lora_targets"].split(",")) - linear:
         die(f"lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
             f"{','.join(sorted(linear))}, or all-linear")
+    import torch
     net = get_peft_model(net, LoraConfig(**settings(cfg))).get_base_model()
-    for p in net.parameters():
-        if not p.requires_grad:
-            p.data = p.data.to(dtype)
+    for p in net.parameters():  # the adapter in fp32 (AdamW's updates are ~1e-5 of a weight)
+        p.data = p.data.to(torch.float32 if p.requires_grad else dtype)
     return net
 
 
@@ -36,10 +36,15 @@ def save(tensors, cfg, out_dir):  # the adapter, as PEFT saves it
     save_file(tensors, f"{out_dir}/adapter_model.safetensors")
 
 
-def servable(archs):  # can vLLM serve the model with LoRA?
-    from vllm.model_executor.models.interfaces import supports_lora
-    from vllm.model_executor.models.registry import ModelRegistry
-    return any(supports_lora(ModelRegistry._try_load_model_cls(a)) for a in archs)
+def servable(archs):
+    """Can vLLM serve the model with LoRA? Asked of a child process: a trainer rank that imports
+    vLLM is left compiling its layers on one thread. (No vLLM at all: the engines will say.)"""
+    import subprocess
+    import sys
+    ask = ("import sys; from vllm.model_executor.models.interfaces import supports_lora; "
+           "from vllm.model_executor.models.registry import ModelRegistry as R; "
+           f"sys.exit(0 if any(supports_lora(R._try_load_model_cls(a)) for a in {archs!r}) else 3)")
+    return subprocess.run([sys.executable, "-c", ask], capture_output=True).returncode != 3
 
 
 def engine_args(cfg, device):  # LLM()'s keywords

@@ -6,7 +6,7 @@
 Reward and held-out accuracy by trained samples and by wall-clock, and the trainer's time per
 step (waiting, training, pushing weights). A task with a tool adds its calls per answer; the
 baseline is a held-out accuracy to draw beside (the same model without the tool), or a run
-directory whose first eval gives it.
+directory: its held-out curve if it trained (a control arm), else its first eval.
 """
 import json
 import os
@@ -18,9 +18,11 @@ def plot(run_dir, baseline=None):
     rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_accuracy" in r]
+    other = []  # a baseline run's evals: a line if it trained (a control arm), else its level
     if baseline and os.path.isdir(baseline):
-        baseline = next(json.loads(line)["eval_accuracy"] for line in open(
-            f"{baseline}/metrics.jsonl") if "eval_accuracy" in line)
+        other = [json.loads(line) for line in open(f"{baseline}/metrics.jsonl")]
+        if sum("loss" in r for r in other) == 0:
+            baseline, other = next(r["eval_accuracy"] for r in other if "eval_accuracy" in r), []
     at = {r["version"]: r for r in steps}
     fig = Figure(figsize=(15, 4), layout="tight")
     ax = fig.subplots(1, 3)
@@ -31,8 +33,14 @@ def plot(run_dir, baseline=None):
         a.plot(ex, [e["eval_accuracy"] for e in evals], "o-", label="held-out accuracy (greedy)")
         if any(r.get("turns_mean", 1) > 1 for r in steps):
             a.plot([r[x] for r in steps], [r["turns_mean"] - 1 for r in steps], "--",
-                   label="tool calls per answer")
-        if baseline is not None:
+                   label="turns - 1 per answer (tool calls, replies)")
+        if other:
+            o_at = {r["version"]: r for r in other if "loss" in r}
+            o_ev = [r for r in other if "eval_accuracy" in r]
+            a.plot([e.get(x, o_at.get(e["version"], {}).get(x, 0)) for e in o_ev],
+                   [e["eval_accuracy"] for e in o_ev], "s:", color="gray",
+                   label=f"held-out, {os.path.basename(baseline.rstrip('/'))}")
+        elif baseline is not None:
             a.axhline(float(baseline), color="gray", linestyle=":", label="held-out, no tool")
         a.set(xlabel=label, ylim=(0, 1.05))
     keys = ("t_wait_s", "t_train_s", "t_sync_s")

@@ -226,7 +226,8 @@ class Rollout:
     def load(self):  # workers load the weights (sync.load); tokens `lag` steps on are theirs
         t0 = time.perf_counter()
         self.version = self.llm.collective_rpc(sync.load)[0]
-        self.pending = None if self.version == self.pending else self.pending
+        if self.pending is not None and self.pending <= self.version:  # (paused: maybe newer)
+            self.pending = None
         for r in self.engine.output_processor.request_states.values():
             first = r.detokenizer.num_output_tokens() + self.lag
             self.spans[r.external_req_id].append((self.version, first))

@@ -241,8 +241,14 @@ def barrier(pg, device):
 
 
 class Sender:
-    """Rank 0's end of the weights. Colocated, push() writes the engines' copy; else it fills a
-    snapshot; a thread an engine sends it the newest once ready (none waits)."""
+    """Rank 0's end of the weights. push() fills a snapshot of the new weights; a thread an engine
+    waits until its engine is ready (it loaded the last), then sends it the newest snapshot there
+    is: a busy engine skips versions, it never gets one that was newest long ago. Colocated,
+    push() itself writes the engines' copy once every engine is ready.
+
+    Invariant: at most two snapshots live on rank 0, the newest and one in flight. A thread takes
+    a snapshot only when its engine is ready, holds it for one send, and push() waits (rarely: a
+    send that outlasted a whole step) while a send older than the newest is still in flight."""
 
     def __init__(self, store, plan, cfg, device, ctls):
         self.plan = plan
@@ -265,45 +271,83 @@ class Sender:
         if self.colocate and device.type == "cpu":  # all mapped: none left after a kill -9
             os.unlink(self.copy.untyped_storage().filename)
         self.cond = threading.Condition()
-        self.latest = None  # (version, snapshot); (-1, None): stop
-        self.error = None  # a thread's, the next push raises it
+        self.latest = None  # (version, snapshot, the fill's CUDA event); None while filling
+        self.stopping = False
+        self.sending = {}  # engine -> the version its thread is sending
+        self.error = None  # a thread's; Fleet.check_alive raises it between steps
         self.threads = [threading.Thread(target=self.send, args=(e,), daemon=True)
                         for e in range(0 if self.colocate else len(ctls))]
         for t in self.threads:
             t.start()
 
+    def push(self, tensors, version, check_alive=lambda: None):  # (name, tensor) in plan order
+        if self.colocate:  # once every engine is ready (loaded the last): write, then tell
+            for wake, _ in self.links:
+                finish(wake.allreduce([torch.zeros(1, dtype=torch.int64)]), check_alive)
+                wake.broadcast(torch.tensor([version]), 0).wait()
+            fill(self.copy, self.plan, tensors)
+            for _, pg in self.links:
+                barrier(pg, self.device)  # all written
+            for ctl in self.ctls:
+                broadcast_version(ctl, version)
+            return
+        with self.cond:  # the last snapshot dropped unless in flight; none older in flight
+            self.latest, newest = None, self.latest and self.latest[0]
+            while any(v != newest for v in self.sending.values()) and not self.error:
+                self.cond.wait(0.05)
+                check_alive()
+        snapshot = staging(self.plan, self.cfg, self.device)
+        fill(snapshot, self.plan, tensors)
+        filled = None
+        if self.device.type == "cuda":  # a sender's stream waits for this, not for what follows
+            filled = torch.cuda.Event()
+            filled.record()
+        with self.cond:
+            self.latest = (version, snapshot, filled)
+            self.cond.notify_all()
+
     def send(self, e):  # a thread: engine e's pushes
         wake, pg = self.links[e]
-        version = None
+        ctl, sent = self.ctls[e], None
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         try:
             while True:
-                with self.cond:
-                    self.cond.wait_for(lambda: self.latest and self.latest[0] != version)
-                    version, snapshot = self.latest
-                if version < 0:
-                    return broadcast_version(self.ctls[e], -1)
-                if self.paused:  # it receives as it loads
-                    broadcast_version(self.ctls[e], version)
-                finish(wake.allreduce([torch.tensor([version])]))  # it has loaded the last
-                # NCCL's stream waits for the fill, queued before
-                for w in [pg.broadcast(snapshot[o:o + n], 0) for o, n, _ in self.plan]:
+                with self.cond:  # something it has not had, or the end
+                    self.cond.wait_for(lambda: self.stopping or self.latest and (
+                        self.latest[0] != sent))
+                    if self.stopping:
+                        return broadcast_version(ctl, -1)
+                    announced = self.latest[0]
+                if self.paused:  # it receives as it loads: tell it to come
+                    broadcast_version(ctl, announced)
+                finish(wake.allreduce([torch.zeros(1, dtype=torch.int64)]))  # it is ready
+                with self.cond:  # the newest now (push may be filling one: wait for it)
+                    self.cond.wait_for(lambda: self.latest)
+                    sent, snapshot, filled = self.latest
+                    self.sending[e] = sent
+                wake.broadcast(torch.tensor([sent]), 0).wait()
+                with torch.cuda.stream(stream):  # NCCL waits for the fill, not the next step
+                    if filled:
+                        stream.wait_event(filled)
+                    works = [pg.broadcast(snapshot[o:o + n], 0) for o, n, _ in self.plan]
+                for w in works:
                     finish(w)
+                snapshot = works = w = None  # (w holds a view) now freeable
+                with self.cond:
+                    del self.sending[e]
+                    self.cond.notify_all()
                 if not self.paused:  # received as it generated: now it loads
-                    broadcast_version(self.ctls[e], version)
-                snapshot = w = None  # (w holds a view) now freeable
+                    broadcast_version(ctl, sent)
         except Exception as err:
-            node = e // self.cfg["rollout_engines"]  # engines are numbered node by node
+            node = e // self.cfg.get("rollout_engines", 1)  # engines numbered node by node
             self.error = f"sending weights to rollout process {e} (node {node}) failed: {err}"
-
-    def publish(self, latest):
-        with self.cond:
-            self.latest = latest
-            self.cond.notify_all()
 
     def stop(self, timeout_s):  # -1 to each engine, after its push in flight
         for ctl in self.ctls if self.colocate else ():
             broadcast_version(ctl, -1)
-        self.publish((-1, None))
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
         for t in self.threads:
             t.join(timeout_s)
 
@@ -318,22 +362,6 @@ def fill(flat, plan, tensors):  # (name, tensor) in plan order -> cast into flat
         for (name, part), (got, t) in zip(weights_in(flat[o:o + n], ws), tensors):
             assert got == name, f"weight order changed: expected {name}, got {got}"
             part.copy_(t.detach())
-
-
-def push(sender, tensors, version, check_alive=lambda: None):
-    """A sender thread's failure is raised by Fleet.check_alive at the next step boundary."""
-    if not sender.colocate:
-        sender.publish(None)  # threads not yet on the last take this one
-        snapshot = staging(sender.plan, sender.cfg, sender.device)
-        fill(snapshot, sender.plan, tensors)
-        return sender.publish((version, snapshot))
-    for wake, _ in sender.links:  # colocated: once all engines loaded the last
-        finish(wake.allreduce([torch.tensor([version])]), check_alive)
-    fill(sender.copy, sender.plan, tensors)
-    for _, pg in sender.links:
-        barrier(pg, sender.device)  # all written
-    for ctl in sender.ctls:
-        broadcast_version(ctl, version)
 
 
 def join(worker, cfg, e):  # in each vLLM worker of engine e
@@ -362,8 +390,9 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
 
 def receive(s):  # a push into the copy -> its version; paused -> (version, weights)
     wake, pg = s["groups"]
+    wake.allreduce([torch.zeros(1, dtype=torch.int64)]).wait()  # we are ready (loaded the last)
     version = torch.zeros(1, dtype=torch.int64)
-    wake.allreduce([version]).wait()  # rank 0's version
+    wake.broadcast(version, 0).wait()  # the newest rank 0 has now
     if s["cfg"]["colocate"]:
         barrier(pg, s["device"])  # the trainer wrote it
         return int(version)

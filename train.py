@@ -105,7 +105,9 @@ threads = torch.get_num_threads()  # CPU: our cores
 batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))  # as rank 0 waits, stall_s
 
 # ---- the policy, sharded, and its optimizer ----
-policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+# a LoRA base is frozen: loaded in the compute dtype (no fp32 copy ever); trained weights in fp32
+load_dtype = getattr(torch, trainer_dtype) if lora_rank else torch.float32
+policy = AutoModelForCausalLM.from_pretrained(model, dtype=load_dtype).to(device)
 if lora_rank:
     policy = lora.add(policy, config, getattr(torch, trainer_dtype))
 L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing, compile_layers)
@@ -175,7 +177,7 @@ else:
 
 def push_weights(version):  # all gather; rank 0 hands them to the engines (sync.py)
     if master:
-        sync.push(fleet.sender, full_weights(), version, lambda: fleet.check_alive(False))
+        fleet.sender.push(full_weights(), version, lambda: fleet.check_alive(False))
     else:
         for _ in full_weights():  # each full_tensor() is an all-gather
             pass
@@ -192,6 +194,7 @@ def micro_batch(groups, step, n_tok):  # loss, backward -> its share of metrics.
 
 
 version = step = start
+died = None  # rank 0: the error that named a dead engine
 try:
     if start > 0:  # resumed: checkpoint weights first
         push_weights(start)
@@ -290,9 +293,11 @@ except Exception as error:  # a signal, a stall (Stopped), an error: all ranks e
     if not isinstance(error, buffer.Stopped):
         if saved and master:
             print(f"{saved} once the cause below is fixed", file=sys.stderr)
-        if master and isinstance(error, RuntimeError):  # a broken wire: a dead engine?
-            try:  # time for its exit code to show: check_alive() names it
-                fleet.wait(lambda: False, sync.DEAD_S + 2)
+        if master and isinstance(error, RuntimeError):  # a broken wire: whose?
+            if error is died:  # an engine, named: a rank's silence now is no news
+                heartbeat.peers = {}
+            try:  # time for an exit code to show (check_alive), or a silence (heartbeats)
+                fleet.wait(lambda: False, 3 if error is died else sync.DEAD_S + 2)
             except Exception as cause:
                 error = cause
         traceback.print_exception(error)

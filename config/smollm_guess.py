@@ -1,19 +1,20 @@
 # Guess the number (`make guess`): SmolLM2-135M-Instruct (offline, `python prepare.py smollm2`)
-# plays envs/guess.py on 2 cores: a secret in 1..7, 3 guesses, "Higher."/"Lower." after each wrong
-# one. --task=env:envs/guess.py:GuessNumberBlind is the control arm: the same game, its replies
-# carry no information ("Wrong."), so it wins at most 3/7 of the games however it plays.
+# plays envs/guess.py on 2 cores: a secret in 1..3, 2 guesses; after a wrong one, "Higher." or
+# "Lower." and the numbers left. --task=env:envs/guess.py:GuessNumberBlind is the control arm: its
+# replies carry no information ("Wrong.", the numbers not yet guessed), so it wins at most 2/3 of
+# the games however it plays.
 model = "data/smollm2-135m"
 task = "env:envs/guess.py:GuessNumber"
 out_dir = "out/smollm_guess"
-max_steps = 20
-max_turns = 3  # a guess a turn
+max_steps = 10  # both arms reach their ceiling by version 5 (results log)
+max_turns = 2  # a guess a turn
 batch_groups = 8
 group_size = 8
-max_new_tokens = 48  # three guesses and two replies take ~40; a paragraph is cut (reward 0)
+max_new_tokens = 32  # two guesses and a reply take ~15; a paragraph is cut (reward 0)
 temperature = 1.0  # guesses vary enough to compare within a group
 lr = 3e-5
 max_staleness = 1
-drop_flat = True
+drop_flat = False  # a won game gives flat groups only: dropping them would stall a solved run
 eval_every = 5
 eval_n = 100  # seeds 0..99, never trained on; a binomial standard error of ~0.05
 rollout_seqs = 128

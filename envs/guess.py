@@ -1,13 +1,15 @@
-"""Guess the number: a game won only by using the environment's replies.
+"""Guess the number: a game won by using the environment's replies.
 
-A secret in 1..N (from the seed); K = log2(N + 1) guesses; after each wrong guess the environment
-says whether the secret is higher or lower. Binary search always wins. A player that ignores the
-replies wins at most K/N of the games (K distinct guesses among N numbers).
+A secret in 1..N (from the seed), N = 3; K = 2 guesses. After a wrong guess the environment says
+whether the secret is higher or lower, and which numbers are still possible. Guessing 2, then
+the number left, always wins. A player without that information wins at most K/N = 2/3 of the
+games (K distinct guesses among N numbers). Small on purpose: a 135M model on 2 CPU cores has
+about twenty steps to learn it; N and K are the knobs for a larger model.
 
-GuessNumberBlind is the control arm: the same game, the same prompt, every wrong guess answered
-"Wrong.", so its replies carry no information about the secret. A model trained against it can
-learn the format and to guess K distinct numbers, nothing more; whatever the informative arm wins
-beyond that, it learned from the replies.
+GuessNumberBlind is the control arm: the same game and prompt, every wrong guess answered
+"Wrong." with the numbers not yet guessed, which any player knows. A model trained against it
+can learn the format and to guess distinct numbers, nothing more; whatever the informative arm
+wins beyond that, it learned from the replies.
 
     torchrun --nproc_per_node=1 train.py config/smollm_guess.py
     torchrun --nproc_per_node=1 train.py config/smollm_guess.py \\
@@ -16,28 +18,33 @@ beyond that, it learned from the replies.
 import random
 import re
 
-N, K = 7, 3
+N, K = 3, 2
+RULES = ("I am thinking of a whole number from 1 to {n}. You have {k} guesses. After each wrong "
+         "guess I will tell you if my number is higher or lower, and which numbers are left. "
+         "Reply with one number only.")
 
 
 class GuessNumber:
     def __init__(self, seed):
         self.secret = random.Random(seed).randint(1, N)
         self.left = K
+        self.possible = list(range(1, N + 1))
 
     def reset(self):  # the same for every seed: only the replies tell secrets apart
-        """A worked game on 1..3 shows the format (one number a turn) and what a reply means; a
+        """A worked game on 1..9 shows the format (one number a turn) and what a reply means; a
         135M model asked without one writes paragraphs about strategy instead of guessing."""
-        rules = ("I am thinking of a whole number from 1 to {n}. You have {k} guesses. After each "
-                 "wrong guess I will tell you if my number is higher or lower. Reply with one "
-                 "number only.")
-        return [{"role": "user", "content": "Let's play. " + rules.format(n=3, k=2)},
+        return [{"role": "user", "content": "Let's play. " + RULES.format(n=9, k=4)},
+                {"role": "assistant", "content": "5"},
+                {"role": "user", "content": "Lower. Numbers left: 1, 2, 3, 4."},
                 {"role": "assistant", "content": "2"},
-                {"role": "user", "content": "Lower. 1 guesses left."},
-                {"role": "assistant", "content": "1"},
-                {"role": "user", "content": "Correct! A new game. " + rules.format(n=N, k=K)}]
+                {"role": "user", "content": "Higher. Numbers left: 3, 4."},
+                {"role": "assistant", "content": "3"},
+                {"role": "user", "content": "Correct! A new game. " + RULES.format(n=N, k=K)}]
 
-    def hint(self, guess):
-        return "Higher." if self.secret > guess else "Lower."
+    def hint(self, guess):  # -> the reply's first word; self.possible narrowed by it
+        higher = self.secret > guess
+        self.possible = [n for n in self.possible if (n > guess if higher else n < guess)]
+        return "Higher" if higher else "Lower"
 
     def step(self, text):  # the last number in the turn is the guess
         guesses = re.findall(r"\d+", text)
@@ -46,10 +53,13 @@ class GuessNumber:
             return None, 1.0, True
         if not self.left:
             return None, 0.0, True
-        reply = self.hint(int(guesses[-1])) if guesses else f"Reply with a number from 1 to {N}."
-        return f"{reply} {self.left} guesses left.", 0.0, False
+        if not guesses:
+            return f"Reply with a number from 1 to {N}.", 0.0, False
+        word = self.hint(int(guesses[-1]))
+        return f"{word}. Numbers left: {', '.join(map(str, self.possible))}.", 0.0, False
 
 
 class GuessNumberBlind(GuessNumber):
-    def hint(self, guess):
-        return "Wrong."
+    def hint(self, guess):  # only what any player knows: that guess was wrong
+        self.possible = [n for n in self.possible if n != guess]
+        return "Wrong"

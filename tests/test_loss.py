@@ -233,3 +233,36 @@ def test_two_ranks_with_very_different_lengths_step_like_one(tiny, tmp_path):
         assert torch.allclose(one[name], two[name], atol=1e-6), name
     # rank 0: one micro-batch; rank 1: two (its groups do not fit in one)
     assert (tmp_path / "2.pt.micro_batches").read_text() == "[1, 2]"
+
+
+def test_a_lora_base_stays_out_of_fsdp(tiny):
+    """LoRA: FSDP2 manages the adapter alone (sharded, gathered into a copy kept all step); the
+    frozen base is one plain tensor a weight, in the compute dtype, never gathered into a second
+    copy. A packed forward and backward reach the adapter, in fp32."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from torch.distributed.tensor import DTensor
+    import lora
+    import loss as L
+    from conftest import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        cfg = {"lora_rank": 8, "lora_alpha": 16, "lora_targets": "all-linear"}
+        net = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.bfloat16)
+        net = lora.add(net, cfg, torch.bfloat16)
+        L.shard(net, torch.bfloat16)
+        params = [*net.parameters()]
+        assert all(isinstance(p, DTensor) == p.requires_grad for p in params)
+        assert {p.dtype for p in params if not p.requires_grad} == {torch.bfloat16}
+        assert {p.dtype for p in params if p.requires_grad} == {torch.float32}
+        groups = [{"prompt_ids": [5, 6, 7], "completions": [
+            {"ids": [8, 9], "mask": [1, 1], "logprobs": [-1.0, -1.0], "versions": [0, 0],
+             "reward": r} for r in (0.0, 1.0)]}]
+        batch = L.to_device(L.pack(groups), torch.device("cpu"))
+        logp = L.token_logprobs(net, batch, 1.0)
+        (logp * batch["mask"]).sum().backward()
+        assert all(p.grad is not None for p in params if p.requires_grad)
+        assert all(p.grad is None for p in params if not p.requires_grad)
+    finally:
+        dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """One real rollout process driven by this test as trainer rank 0 would drive it (fleet.Fleet,
-sync.push): new weights every 0.1 s while long answers are generated.
+Sender.push): new weights every 0.1 s while long answers are generated.
 
 Odd versions make the policy sharply peaked, even versions exactly uniform (the final norm's weight
 zeroed: every logit is 0, whatever the KV cache holds), so each token's logprob says which weights
@@ -25,7 +25,7 @@ from conftest import ROOT, free_port
 def push(fleet, tensors, v):
     """As train.py pushes, then until every engine has loaded it (budget.py's `loaded{e}`): each
     version reaches the engines, none skipped for a newer one."""
-    sync.push(fleet.sender, tensors, v)
+    fleet.sender.push(tensors, v)
     while any(fleet.store.get(f"loaded{e}") != str(v).encode() for e in range(fleet.engines)):
         fleet.check_alive()
         time.sleep(0.01)

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import weakref
 
 import pytest
 import torch
@@ -60,7 +62,7 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate, staged, mon
             with torch.no_grad():
                 for _, p in trained:
                     p.add_(torch.randn_like(p) * 0.05)
-            sync.push(sender, iter(trained), k)
+            sender.push(iter(trained), k)
             versions.append(copy.deepcopy(model))
             store.wait([f"loaded{k}"])  # else version 2 may replace 1 before it is sent
         assert peer.wait(timeout=60) == 0
@@ -75,3 +77,48 @@ def test_weights_reach_vllm_and_logprobs_match(tiny, kind, colocate, staged, mon
             assert torch.allclose(lps, logprobs(versions[k], prompt, ids), atol=1e-4), k
             if k:  # a silent no-op update cannot pass
                 assert (lps - logprobs(versions[k - 1], prompt, ids)).abs().max() > 1e-2
+
+
+def test_a_busy_engine_gets_the_newest_weights(tiny, monkeypatch):
+    """The engine loads version 1; 2 is sent into its copy and announced; 3 and 4 are pushed while
+    the engine, busy, has not loaded 2. Once it has, it is sent 4, the newest, not 3 (what was
+    newest when its sender freed up); rank 0 never holds more than two snapshots meanwhile."""
+    model = AutoModelForCausalLM.from_pretrained(tiny["tied"], dtype=torch.float32)
+    trained = [*model.named_parameters()]
+    port = free_port()
+    cfg = {"rollout_dtype": "float32", "colocate": False, "rollout_port": port, "timeout_s": 60,
+           "tensor_parallel_size": 1, "stage_weights": True, "newest": True}
+    alive, staging = [], sync.staging  # each snapshot rank 0 makes, while it lives
+    monkeypatch.setattr(sync, "staging", lambda *a: alive.append(weakref.ref(t := staging(*a)))
+                        or t)
+    store = sync.open_store("127.0.0.1", port, True, 60)
+    peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"),
+                             tiny["tied"], str(port), json.dumps(cfg)])
+    steps = iter(range(100))
+
+    def engine(*cmds):  # the engine reads an announced version ("ctl"), or loads
+        for cmd in cmds:
+            i = next(steps)
+            store.set(f"cmd{i}", cmd)
+            store.wait([f"did{i}"])
+
+    try:
+        ctls, _ = sync.connect(store, 0, 1, 60)
+        sender = sync.Sender(store, sync.plan([(n, p.shape) for n, p in trained], torch.float32),
+                             cfg, torch.device("cpu"), ctls)
+        held = []
+        for v in (1, 2, 3, 4):
+            sender.push(iter(trained), v)
+            held.append(sum(r() is not None for r in alive))
+            if v == 1:
+                engine("ctl", "load")
+            elif v == 2:
+                engine("ctl")  # received into its copy, announced, not loaded
+            time.sleep(0.5)
+        engine("load", "ctl", "load")
+        store.set(f"cmd{next(steps)}", "end")
+        assert peer.wait(timeout=60) == 0
+        assert json.loads(store.get("got")) == [1, 1, 2, 2, 4, 4]
+        assert max(held) <= 2, held
+    finally:
+        peer.kill()

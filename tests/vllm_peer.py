@@ -21,6 +21,14 @@ if __name__ == "__main__":
     cfg = dict(cfg, host="127.0.0.1", engines=1, tensor_parallel_size=1)
     ctl, _ = sync.connect(store, 1, 1, 60)
     llm.collective_rpc(sync.join, args=(cfg, 0))
+    if cfg.get("newest"):  # test_a_busy_engine_gets_the_newest_weights: each step when told
+        got = []
+        while (cmd := store.get(f"cmd{len(got)}").decode()) != "end":
+            got.append(sync.broadcast_version(ctl) if cmd == "ctl" else
+                       llm.collective_rpc(sync.load)[0])
+            store.set(f"did{len(got) - 1}", "")
+        store.set("got", json.dumps(got))
+        sys.exit(0)
     prompt = json.loads(store.get("prompt"))
     params = SamplingParams(n=4, temperature=0.7, max_tokens=16, logprobs=0)
 

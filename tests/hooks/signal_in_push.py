@@ -4,11 +4,11 @@ every rank."""
 import os, signal, sys, time
 if sys.argv[0].endswith("train.py"):
     import sync
-    push, pushes = sync.push, []
+    push, pushes = sync.Sender.push, []
     def push_after_a_signal(sender, *args, **kw):
         pushes.append(sender)
-        if sender is not None and len(pushes) == 2:  # rank 0's second push (version 2)
+        if len(pushes) == 2:  # rank 0's second push (version 2)
             os.kill(os.getppid(), signal.SIGINT)  # Ctrl-C: torchrun passes it to every rank
             time.sleep(2)  # it has arrived: this push must still finish on every rank
         return push(sender, *args, **kw)
-    sync.push = push_after_a_signal
+    sync.Sender.push = push_after_a_signal
