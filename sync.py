@@ -98,8 +98,8 @@ class Heartbeat:
     def moved(self):
         self.last_move = time.monotonic()
 
-    def forget_engines(self):  # a stop between steps: the engines' silence no longer matters
-        self.peers = {k: name for k, name in self.peers.items() if not k.startswith("beat")}
+    def forget(self, ranks=False):  # on the way out, engines' (and ranks') silence is no news
+        self.peers = {k: n for k, n in self.peers.items() if not (ranks or k.startswith("beat"))}
 
     def stop(self):
         self.stopped.set()

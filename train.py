@@ -106,18 +106,19 @@ batches = dist.new_group(backend="gloo", timeout=timedelta(days=7))  # as rank 0
 
 # ---- the policy, sharded, and its optimizer ----
 # a LoRA base is frozen: loaded in the compute dtype (no fp32 copy ever); trained weights in fp32
-load_dtype = getattr(torch, trainer_dtype) if lora_rank else torch.float32
-policy = AutoModelForCausalLM.from_pretrained(model, dtype=load_dtype).to(device)
+dtype = getattr(torch, trainer_dtype)
+policy = AutoModelForCausalLM.from_pretrained(
+    model, dtype=dtype if lora_rank else torch.float32).to(device)
 if lora_rank:
-    policy = lora.add(policy, config, getattr(torch, trainer_dtype))
-L.shard(policy, getattr(torch, trainer_dtype), activation_checkpointing, compile_layers)
+    policy = lora.add(policy, config, dtype)
+L.shard(policy, dtype, activation_checkpointing, compile_layers)
 trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]  # or LoRA's
 optimizer = torch.optim.AdamW([p for _, p in trained], lr=lr, weight_decay=0.0, fused=cuda)
 full_state = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True,
                               ignore_frozen_params=lora_rank > 0, strict=lora_rank == 0)
 
 
-def full_weights(dtype=getattr(torch, trainer_dtype)):
+def full_weights(dtype=dtype):
     """(name, full tensor), cast before the gather (bf16: half the bytes). All ranks run it."""
     for name, p in trained:  # each a DTensor (FSDP2)
         yield name, p.detach().to(dtype).full_tensor()
@@ -218,7 +219,7 @@ try:
         if "stop" in msg:  # between steps, where the state is whole: keep it
             # the engines are going: no rank may take their silence for a reason to exit
             # while a large checkpoint is written
-            heartbeat.forget_engines()
+            heartbeat.forget()
             if ckpt_every and version > start:  # (nothing new: a re-run needs no --resume)
                 save_checkpoint(version)
             if msg.get("failed"):
@@ -295,7 +296,7 @@ except Exception as error:  # a signal, a stall (Stopped), an error: all ranks e
             print(f"{saved} once the cause below is fixed", file=sys.stderr)
         if master and isinstance(error, RuntimeError):  # a broken wire: whose?
             if error is died:  # an engine, named: a rank's silence now is no news
-                heartbeat.peers = {}
+                heartbeat.forget(ranks=True)
             try:  # time for an exit code to show (check_alive), or a silence (heartbeats)
                 fleet.wait(lambda: False, 3 if error is died else sync.DEAD_S + 2)
             except Exception as cause:

@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
-PY=${PY:-python}
+PY=${PY:-python3}
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried to the lent machine
