@@ -1,5 +1,5 @@
 """Environments for the tiny model (task = "env:tests/toy_envs.py:CLASS"). The random model's turn
-ends where its text reaches STOP ("1"), about half the time within a few tokens; each reply is
+ends where its text reaches STOP ("1"): in about 1 token of 80; each reply is
 appended to its message (a tool call's result)."""
 import os
 import time
