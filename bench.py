@@ -8,6 +8,7 @@ machine. The first `--warmup` steps of a run (engine start, first batch) are lef
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,16 +34,8 @@ CONFIGS = {"tiny": ("config/tiny.py", ["--max_steps=12", "--rollout_cpus=1",
                                               "--drop_flat=False", "--borrow_cpus=False"],
                     "smollm2")}
 SMI = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-
-
-def count_gpus():
-    try:
-        return len(subprocess.run(SMI, capture_output=True, text=True).stdout.split())
-    except FileNotFoundError:
-        return 0
-
-
-GPUS = count_gpus()
+GPUS = shutil.which(SMI[0]) and len(subprocess.run(SMI, capture_output=True, text=True)
+                                    .stdout.split()) or 0
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -60,14 +53,18 @@ def run_dir(name, overrides):
                         name + "".join(o.replace("--", "_").replace("=", "") for o in overrides))
 
 
+def free_port():  # (a fixed range could meet rollout_port's 29600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(config, out, overrides, nodes=1, cwd=ROOT, **kw):
     """train.py on one rank per node (nodes > 1: torchrun agents on this machine) into `out`
     -> (its step rows, the processes)."""
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "metrics.jsonl"), "w").close()
-    with socket.socket() as s:  # a free port (a fixed range could meet rollout_port's 29600)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
                                "--nproc_per_node=1", "--master_addr=127.0.0.1",
                                f"--master_port={port}", f"--node_rank={n}", "train.py", config,
@@ -114,13 +111,6 @@ def per_sample(rows):
     return (b["elapsed_s"] - a["elapsed_s"]) / (b["samples"] - a["samples"])
 
 
-def show(results):
-    for name, r in results.items():
-        print(f"\n{name}")
-        for k, v in r.items():
-            print(f"  {k:24s} {v:.3f}" if isinstance(v, float) else f"  {k:24s} {v}")
-
-
 # ---- the default mode: the pipeline's ratios ---------------------------------------------------
 def ratios():
     """Per config (--configs=tiny,smollm; --overlap: the first ratio only):
@@ -165,7 +155,9 @@ def ratios():
                                      / sum(x["t_wait_s"] + x["t_train_s"] + x["t_sync_s"]
                                            for x in steady)),
                  trainer_tokens_per_s=mean([x["train_tokens_per_s"] for x in steady]))
-    show(results)
+    for name, r in results.items():
+        print(f"\n{name}\n" + "\n".join(f"  {k:24s} {v:.3f}" if isinstance(v, float) else
+                                         f"  {k:24s} {v}" for k, v in r.items()))
     print(json.dumps(results[name] | {"config": name, "per_config": results}))
 
 
@@ -174,15 +166,12 @@ def weight_sync(model_dir, repeats=5, lora_rank=0, loaded=None):
     (Sender.push, then its load: peers/weight_peer.py) vs one raw broadcast of the same bytes to
     the same worker. -> medians and the bytes; `loaded`: a list, gets the seconds from the push
     to the engine's load done."""
-    import socket
     import torch
     from transformers import AutoModelForCausalLM
     import lora
     import sync
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = sync.open_store("127.0.0.1", port, True, 60)
     cfg = {"rollout_dtype": "float32", "colocate": False, "timeout_s": 60, "rollout_port": port,
            "tensor_parallel_size": 1, "stage_weights": True, "lora_rank": lora_rank,
@@ -215,16 +204,10 @@ def weight_sync(model_dir, repeats=5, lora_rank=0, loaded=None):
 
 
 # ---- --trainer, --varlen: peers/trainer_step.py (it runs under torchrun) ------------------------
-def trainer():
+def trainer_step(fn):  # -> its main(args) or varlen_check()
     sys.path.insert(0, os.path.join(ROOT, "peers"))
     import trainer_step
-    return trainer_step.main(args)
-
-
-def varlen():
-    sys.path.insert(0, os.path.join(ROOT, "peers"))
-    import trainer_step
-    return trainer_step.varlen_check()
+    return trainer_step.main(args) if fn == "main" else trainer_step.varlen_check()
 
 
 # ---- --engine: the engine loop against vLLM alone ---------------------------------------------
@@ -286,52 +269,13 @@ def engine():
     print(json.dumps(results))
 
 
-def profile(name, G, seconds=20):
-    """py-spy on the rollout process of a loop run: the share of its main thread's wall-clock in
-    each of Rollout's methods (waiting included), vLLM's own step split out of ours."""
-    import shutil
-    import psutil
-    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep
-                       + os.environ["PATH"])
-    if not spy:
-        return {"skipped": "pip install py-spy"}
-    out = run_dir(name + "_profile", [])
-    os.makedirs(out, exist_ok=True)
+def profile(name, G, seconds=20):  # py-spy on a loop run's engine (peers/loop_profile.py)
+    from peers.loop_profile import profile as spy
     config, base, _ = CONFIGS[name]
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-                            "train.py", config, *base, *ENGINE_RUN, f"--batch_groups={G}",
-                            f"--rollout_seqs={G * 8}", "--max_steps=1000", f"--out_dir={out}",
-                            "--ckpt_every=0"],
-                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while not (os.path.exists(f"{out}/metrics.jsonl") and open(f"{out}/metrics.jsonl").read()):
-            if run.poll() is not None:
-                sys.exit(f"the profiled run failed: see {out}")
-            time.sleep(0.5)  # the engine is up and one batch went through
-        pid = next(p.pid for p in psutil.Process(run.pid).children(recursive=True)
-                   if "rollout.py" in " ".join(p.cmdline()))
-        subprocess.run([spy, "record", "--pid", str(pid), "--duration", str(seconds), "--idle",
-                        "--format", "raw", "-o", f"{out}/raw.txt"], check=True,
-                       capture_output=True)
-    finally:
-        for p in [*psutil.Process(run.pid).children(recursive=True), run]:
-            p.kill()
-        run.wait()
-    phases, total = {}, 0
-    for line in open(f"{out}/raw.txt"):  # "frame;frame;... count", a frame "Class.method (file)"
-        stack, count = line.rsplit(" ", 1)
-        names = [f.split(" ")[0] for f in stack.split(";")]
-        if "Rollout.run" not in names:
-            continue  # not the loop's thread
-        phase = (names + ["Rollout.run"])[names.index("Rollout.run") + 1]
-        if phase == "Rollout.step":  # vLLM's LLMEngine.step: its engine core, its output processor
-            below = (names + ["?"] * 4)[names.index("LLMEngine.step") + 1:] \
-                if "LLMEngine.step" in names else None
-            phase = "step: ours" if below is None else "step: vLLM " + (
-                below[2].split(".")[-1] if below[0] == "InprocClient.get_output" else "outputs")
-        phases[phase] = phases.get(phase, 0) + int(count)
-        total += int(count)
-    return {k: round(v / total, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
+    out = run_dir(name + "_profile", [])
+    return spy([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "train.py",
+                config, *base, *ENGINE_RUN, f"--batch_groups={G}", f"--rollout_seqs={G * 8}",
+                "--max_steps=1000", f"--out_dir={out}", "--ckpt_every=0"], out, ROOT, seconds)
 
 
 # ---- --trl: TRL's GRPOTrainer on the same machine ---------------------------------------------
@@ -619,11 +563,11 @@ def ab():
 
 MODES = {  # mode: (function, its usage line)
     "": (ratios, "python bench.py [--configs=tiny,smollm] [--overlap]: the pipeline's ratios"),
-    "--trainer": (trainer, "torchrun --nproc_per_node=1 bench.py --trainer [--checkpointing=1] "
+    "--trainer": (lambda: trainer_step("main"), "torchrun --nproc_per_node=1 bench.py --trainer [--checkpointing=1] "
                            "[--shared=0] [--compile=0] [--budget=T] [--groups=G] [--tokens=T] "
                            "[--varlen=0] [--profile=1] [--shape=small|1.5b|7b] [--lora_rank=R] "
                            "[--max_gib=G]: the trainer step alone (peers/trainer_step.py)"),
-    "--varlen": (varlen, "python bench.py --varlen: the GPU's varlen attention against SDPA, "
+    "--varlen": (lambda: trainer_step("varlen"), "python bench.py --varlen: the GPU's varlen attention against SDPA, "
                          "asserted"),
     "--engine": (engine, "python bench.py --engine [--configs=] [--runs=N] [--profile=0]: the "
                          "engine loop vs vLLM alone (pip install py-spy)"),

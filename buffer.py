@@ -3,6 +3,7 @@ flat; deal() splits a batch over ranks. No priority, no replay, no memory cap.
 
 Runs on trainer rank 0: a receiving thread per engine put()s groups as they arrive, and the main
 loop get()s a batch at each step boundary. Other ranks get their share by broadcast."""
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -31,42 +32,60 @@ class Buffer:
             self.cond.notify()
 
     def get(self, version, n_groups, check_alive=lambda: None, report=lambda text, groups: None):
-        """-> (n_groups usable, every group taken out, seconds waited); report()s as it waits."""
+        """-> (n_groups usable, every group taken out, seconds waited). The rule, one group at a
+        time in arrival order: too stale to train at `version`, or flat (drop_flat), it is dropped
+        (a stale one's start goes back to its engine's budget); else it joins the batch."""
         check_alive()
-        batch, seen = [], []
-        dropped, reported = [], 0  # since the last usable one; of them reported
-        start = told = usable = time.perf_counter()  # usable: when one last came
+        batch, seen, wait = [], [], Wait(version, n_groups)
         while len(batch) < n_groups:
-            with self.cond:
-                while not self.groups:
-                    self.cond.wait(timeout=1.0)
-                    check_alive()
-                    now = time.perf_counter()
-                    if now - told > min(60, self.stall_s / 3 or 60):
-                        report(f"waiting {now - start:.0f} s for batch {version} ({len(batch)}/"
-                               f"{n_groups} groups), {describe(dropped)}", dropped[reported:])
-                        told, reported = now, len(dropped)
-                    if self.stall_s and now - usable > self.stall_s:
-                        raise Stopped(
-                            f"nothing usable came in stall_s={self.stall_s} s ({describe(dropped)})"
-                            "; an easier task or stronger model, --drop_flat=False, or check the "
-                            "grader on samples.jsonl")
-                g = self.groups.pop(0)
-            if isinstance(g, Exception):
+            g = self.next(wait, len(batch), check_alive, report)
+            if isinstance(g, Exception):  # its receiving thread's: the engine is lost
                 raise g
             seen.append(g)
             stale = version - g["version_min"] > self.max_staleness
             flat = self.drop_flat and is_flat(g)
-            if stale and not flat:  # its engine may start another
+            if stale and not flat:  # (a flat one's was given back as it was made)
                 self.on_discard(g)
-            why = "stale" if stale else "flat" if flat else None
-            if why:
+            if stale or flat:
+                why = "stale" if stale else "flat"
                 self.dropped[why] += 1
-                dropped.append(dict(g, dropped=why))
+                wait.dropped.append(dict(g, dropped=why))
             else:
                 batch.append(g)
-                dropped, reported, usable = [], 0, time.perf_counter()
-        return batch, seen, time.perf_counter() - start
+                wait.dropped, wait.reported, wait.usable = [], 0, time.perf_counter()
+        return batch, seen, time.perf_counter() - wait.start
+
+    def next(self, wait, have, check_alive, report):
+        """-> the oldest group, once there is one. Meanwhile: engines checked each second, a
+        report every minute (a third of stall_s if less), Stopped after stall_s without a usable
+        group."""
+        with self.cond:
+            while not self.groups:
+                self.cond.wait(timeout=1.0)
+                check_alive()
+                now = time.perf_counter()
+                if now - wait.told > min(60, self.stall_s / 3 or 60):
+                    report(f"waiting {now - wait.start:.0f} s for batch {wait.version} ({have}/"
+                           f"{wait.n_groups} groups), {describe(wait.dropped)}",
+                           wait.dropped[wait.reported:])
+                    wait.told, wait.reported = now, len(wait.dropped)
+                if self.stall_s and now - wait.usable > self.stall_s:
+                    raise Stopped(
+                        f"nothing usable came in stall_s={self.stall_s} s "
+                        f"({describe(wait.dropped)}); an easier task or stronger model, "
+                        "--drop_flat=False, or check the grader on samples.jsonl")
+            return self.groups.pop(0)
+
+
+@dataclasses.dataclass
+class Wait:  # one get()'s clocks and its dropped groups, for the reports and the stall
+    version: int
+    n_groups: int
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    told: float = dataclasses.field(default_factory=time.perf_counter)  # the last report
+    usable: float = dataclasses.field(default_factory=time.perf_counter)  # one last came
+    dropped: list = dataclasses.field(default_factory=list)  # since the last usable one
+    reported: int = 0  # of those, already in a report
 
 
 def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 stale"

@@ -15,20 +15,29 @@ from contextlib import suppress
 
 import torch
 
-import rollout
 import sync
 from buffer import Buffer, Stopped
 from configurator import die
 
 TORCHRUN_ENV = """RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK
 ROLE_RANK ROLE_WORLD_SIZE GROUP_WORLD_SIZE OMP_NUM_THREADS""".split()
+ROOT = os.path.dirname(os.path.abspath(__file__))  # rollout.py's folder
+
+
+def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
+    lo, _, hi = spec.partition("-")
+    return set(range(int(lo), int(hi or lo) + 1)) if spec else set()
 
 
 def place(cfg, world, local_world, device, leader):
-    """-> (this node's engines' GPUs, after its ranks'; cores a lone CPU rank borrows)."""
+    """-> (engine_gpus, borrow). engine_gpus: on a node's leader (its first rank), one list an
+    engine of this node, of the GPUs it runs on: those after the node's trainer ranks' (CPU:
+    empty lists); elsewhere []. borrow: how many of vLLM's cores a lone CPU rank uses while
+    every engine waits for its weights (0: none). On a CPU it also takes this rank off vLLM's
+    cores (rollout_cpus) and sets its thread count; on a GPU it picks this rank's device."""
     E, tp = cfg["rollout_engines"], cfg["tensor_parallel_size"]
     if device.type == "cpu":
-        cores = rollout.cpus(cfg["rollout_cpus"])  # vLLM's
+        cores = cpus(cfg["rollout_cpus"])  # vLLM's
         borrow = len(cores) if cfg["borrow_cpus"] and world == 1 else 0
         ours = os.sched_getaffinity(0) - cores
         if cores and not borrow:
@@ -52,22 +61,23 @@ def place(cfg, world, local_world, device, leader):
 
 def spawn(cfg, engine_gpus, first, engines, host, plan):  # this node's engines, from first
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
-    env.update(PYTHONPATH=rollout.ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # for sync
+    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # for sync
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # its core in-process: per-token tags
     if spec := cfg["rollout_cpus"]:
-        env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(rollout.cpus(spec))))
+        env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(cpus(spec))))
     if cfg["rollout_dtype"] == "float32":  # Triton attention in IEEE fp32, not TF32
         env.setdefault("TRITON_F32_DEFAULT", "ieee")
     share = cfg["gpu_memory_utilization"]
-    if torch.cuda.is_available() and not cfg["colocate"] and sync.staged(cfg):
+    if torch.cuda.is_available() and not cfg["colocate"] and sync.staging(cfg):
         size = sum(n for _, n, _ in plan) * getattr(torch, cfg["rollout_dtype"]).itemsize
         share -= size / torch.cuda.get_device_properties().total_memory
         if share < 0.05:
             die(f"the staging copy ({size / 2**30:.1f} GiB) leaves vLLM too little of "
                 f"gpu_memory_utilization={cfg['gpu_memory_utilization']}: raise it, or "
                 "--stage_weights=False (paused pushes, no copy)")
-    cfg = json.dumps(dict(cfg, engines=engines, host=host, gpu_memory_utilization=share))
-    return [subprocess.Popen([sys.executable, f"{rollout.ROOT}/rollout.py", cfg, str(first + e)],
+    cfg = json.dumps(dict(cfg, engines=engines, host=host, gpu_memory_utilization=share,
+                          cores=sorted(cpus(cfg["rollout_cpus"]))))
+    return [subprocess.Popen([sys.executable, f"{ROOT}/rollout.py", cfg, str(first + e)],
                              env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
             for e, gpus in enumerate(engine_gpus)]
 
@@ -161,12 +171,16 @@ class Fleet:  # rank 0's end of each engine
         return dict(next=self.next, done=sorted(self.done), dropped=[*self.buffer.dropped.values()])
 
     def rollout_stats(self):
+        """-> each of the engines' counters (rollout.COUNTERS), summed over engines, since the run
+        began; rollout_running_frac: the mean over engines of how full each one's batch was
+        (training sequences in vLLM / rollout_seqs, averaged over its steps) since the last call;
+        rollout_pause_s: the engines' last pause for a load, averaged."""
         now = {e: dict(s) for e, s in self.stats.items()}
         delta = lambda e, k: now[e][k] - self.last.get(e, {}).get(k, 0)
         fracs = [delta(e, "rollout_running") / delta(e, "rollout_steps") for e in now
                  if delta(e, "rollout_steps")]
         self.last = now
-        return {**{k: sum(s[k] for s in now.values()) for k in rollout.COUNTERS},
+        return {**{k: sum(s[k] for s in now.values()) for k in next(iter(now.values()))},
                 "rollout_running_frac": sum(fracs) / len(fracs) if fracs else None,
                 "rollout_pause_s": sum(s["rollout_pause_s"] for s in now.values()) / len(now)}
 

@@ -3,7 +3,7 @@ only the adapter travels (sync.py); each engine swaps it in place between steps.
 Simplifications: one adapter, no dropout; `prepare.py merge` merges it into the base.
 
 Runs in the trainer ranks (add, save) and inside each engine's vLLM workers (swap, fast_cpu_ops)."""
-from configurator import die
+import sys
 
 ID = 1  # in vLLM: every request names it
 
@@ -19,8 +19,9 @@ def add(net, cfg, dtype):  # adapters in -> the model; base frozen in dtype, no 
     body = net.model.named_modules()  # not the head: loss.py uses its weight
     linear = {n.rpartition(".")[2] for n, m in body if type(m).__name__ == "Linear"}
     if cfg["lora_targets"] != "all-linear" and set(cfg["lora_targets"].split(",")) - linear:
-        die(f"lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
-            f"{','.join(sorted(linear))}, or all-linear")
+        print(f"error: lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
+              f"{','.join(sorted(linear))}, or all-linear", file=sys.stderr)
+        sys.exit(2)  # as configurator.die, without importing it (it imports us)
     import torch
     net = get_peft_model(net, LoraConfig(**settings(cfg))).get_base_model()
     for p in net.parameters():  # the adapter in fp32 (AdamW's updates are ~1e-5 of a weight)

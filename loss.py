@@ -33,8 +33,20 @@ def micro_batches(groups, budget):  # consecutive groups, <= budget packed token
 
 
 def pack(groups):
-    """A micro-batch as one padding-free sequence of segments (a prompt over itself, a completion
-    over its prompt and itself) for varlen FlashAttention. Answer token t: at `src` t - 1."""
+    """A micro-batch as one padding-free sequence for varlen attention, and where each answer
+    token is predicted. One group: prompt p0 p1 p2, answers a0 a1 a2 and b0 b1.
+
+        ids   p0 p1 p2 a0 a1 b0    index 0..5; an answer's last token is a target only
+        pos    0  1  2  3  4  3    RoPE: every answer continues its prompt
+        segment   queries    keys (indices into ids)
+          0       0 1 2      0 1 2          the prompt over itself, once for the group
+          1       3 4        0 1 2 3 4      answer a over its prompt and itself
+          2       5          0 1 2 5        answer b likewise
+        src    2 3 4 | 2 5         a0 a1 a2 | b0 b1 are predicted by the logits at these
+
+    A segment's queries are its last keys (causal, aligned bottom-right): cu_q, cu_k delimit
+    them in ids and keys. `at` places the N answer tokens in the [C, T] rows, padded past each
+    answer's end, of the sampler's logprobs (behav), versions and mask."""
     ids, pos, keys, src, sizes = [], [], [], [], []  # sizes: (queries, keys) a segment
     for g in groups:
         P = len(g["prompt_ids"])

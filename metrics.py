@@ -69,7 +69,11 @@ class Log:
         return {"gen_tokens": self.gen_tokens, "elapsed_s": time.perf_counter() - self.t_start}
 
     def step(self, step, groups, seen, sums, fleet, **extra):
-        """groups: the batch; seen: all taken from the buffer; sums: SUMS."""
+        """Step `step`'s row: to metrics.jsonl (and the tracker), one console line, two answers
+        of two groups to samples.jsonl, then the evals that came. Returns nothing. groups: the
+        batch trained; seen: every group taken from the buffer for it (the dropped too: the
+        reward is the engines' whole output); sums: SUMS, over all ranks; extra: train.py's
+        timings and counters, as they are. The rest is summed here (fleet.rollout_stats)."""
         s = dict(zip(SUMS, sums))
         comps = [c for g in groups for c in g["completions"]]
         taken = [c for g in seen for c in g["completions"]]  # dropped ones too

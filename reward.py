@@ -1,24 +1,23 @@
 """reward.py: tasks (load_task: train/eval problems {"id", "prompt", "answer"}, grade(text, answer)
--> reward; or an environment, env.py, as the calculator is), graders run in processes killed past
-a time limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only environments.
+-> reward; or an environment, env.py, as the calculator is: envs/calculator.py), graders run in
+processes killed past a time limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only environments.
 
 Runs in the trainer (load_task, to check the config) and in each engine (load_task, then the
 graders it submits to), and the grade functions in the grader processes, which are confined
 (confine): the model's text is untrusted input to everything here."""
-import ast
 import concurrent.futures
 import ctypes
 import functools
 import json
 import math
 import multiprocessing
-import operator
 import os
 import random
 import re
 import resource
 import signal
 
+CALCULATOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs", "calculator.py")
 JSONL_HINT = "a jsonl file of {question, answer} lines"
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."  # gsm8k's ask
 
@@ -74,70 +73,6 @@ def gsm8k(data_path, seed, n_eval, instruction=BOXED):  # a jsonl, or a hub id (
                              f"at {JSONL_HINT}") from None
         train, test = list(ds["train"]), list(ds["test"])
     return problems(train, instruction), problems(test[:n_eval], instruction)
-
-
-CALL = ("<calc>", "</calc>")  # a turn ending in <calc>12 * 34</calc> calls it
-WORDS = ["Each of {a} boxes holds {b} pens. How many pens are there?",
-         "A train travels {b} km every hour for {a} hours. How far does it go?",
-         "A farm has {a} rows of {b} trees. How many trees are there?",
-         "A printer prints {b} pages a minute for {a} minutes. How many pages does it print?"]
-SHOT = ("A farm has 125 cows and buys 37 more. How many cows does it have?", "125 + 37", 162)
-
-
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-       ast.Div: operator.truediv, ast.USub: operator.neg}
-
-
-def calculate(node):  # + - * / and brackets, walking the AST (no eval)
-    if isinstance(node, str):
-        node = ast.parse(node.replace(",", "").replace("x", "*").strip(" ="), mode="eval").body
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in OPS:
-        args = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.operand,)
-        return OPS[type(node.op)](*map(calculate, args))
-    raise ValueError(f"not arithmetic: {type(node).__name__}")
-
-
-def calculator_turn(text, answer):  # after a turn ending in a call: <result>value</result>
-    if not text.endswith(CALL[1]):
-        return None
-    try:
-        v = calculate(text[:-len(CALL[1])].rpartition(CALL[0])[2])
-        v = int(v) if v == int(v) else round(v, 6)
-    except (ValueError, ArithmeticError, SyntaxError, TypeError, RecursionError):
-        v = "error"  # the model sees it, may call again
-    return f"<result>{v}</result>"
-
-
-class Calculator:
-    """The calculator as an environment: a word problem (a 4-digit times a 2-3 digit number), shown
-    one worked call on a sum. A turn ending in <calc>EXPR</calc> gets <result>VALUE</result>,
-    appended to the model's own message (`stop`); the first turn without a call is the answer,
-    1 if its last number is right. CalculatorNoTool: the same problems, no tool offered."""
-    stop, tool = CALL[1], True
-
-    def __init__(self, seed):
-        rng = random.Random(seed)
-        text, a, b = rng.choice(WORDS), rng.randint(1000, 9999), rng.randint(12, 999)
-        self.question, self.answer = text.format(a=a, b=b), str(a * b)
-
-    def reset(self):
-        q, expr, value = SHOT
-        shown = f"{CALL[0]}{expr}{CALL[1]}<result>{value}</result>" if self.tool else (
-            f"{expr} = {value}.")
-        return [{"role": "user", "content": q},
-                {"role": "assistant", "content": f"{shown} The answer is {value}."},
-                {"role": "user", "content": self.question}]
-
-    def step(self, text):
-        if self.tool and text.endswith(CALL[1]):
-            return calculator_turn(text, None), 0.0, False
-        return None, grade_number(text, self.answer), True
-
-
-class CalculatorNoTool(Calculator):
-    stop, tool = None, False
 
 
 # reasoning-gym 0.1.25 scorers that evaluate the model's answer as code (eval, or sympy's
@@ -196,7 +131,7 @@ def load_task(cfg):
     elif task == "calculator" or task.startswith("env:"):  # max_turns=1: no calculator
         import env
         tool = "Calculator" if cfg["max_turns"] > 1 else "CalculatorNoTool"
-        spec = f"env:reward:{tool}" if task == "calculator" else task
+        spec = f"env:{CALCULATOR}:{tool}" if task == "calculator" else task
         stop = getattr(env.load(spec)[0], "stop", None)
         if not 0 <= cfg["eval_n"] < env.EVAL_SEEDS:
             raise ValueError(f"eval_n={cfg['eval_n']}: held-out seeds are 0..eval_n-1, below "
@@ -232,13 +167,10 @@ def grade_math(text, answer):
         gold, math_verify.parse(text, parsing_timeout=None), timeout_seconds=None))
 
 
-def safely(fn, text, answer):  # -> (grade's float, tool's text or None; failed)
+def safely(fn, text, answer):  # -> (the grade, failed): a raise, or no finite number, failed
     try:
-        out = fn(text, answer)
-        if isinstance(out, str) and len(out) > 10_000:  # tool words: more never fit
-            return None, True
-        out = out if out is None or isinstance(out, str) else float(out)
-        return out, isinstance(out, float) and not math.isfinite(out)  # a NaN is no grade
+        out = float(fn(text, answer))
+        return (out, False) if math.isfinite(out) else (None, True)  # a NaN is no grade
     except Exception:
         return None, True
 

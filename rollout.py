@@ -23,7 +23,6 @@ import lora
 import reward
 import sync
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before importing vllm
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(sync.load)
@@ -59,11 +58,6 @@ def token_versions(spans, n):  # spans in load order
 
 
 # ---- the engine ----
-def cpus(spec):  # rollout_cpus "1" or "2-3" -> {cores}
-    lo, _, hi = spec.partition("-")
-    return set(range(int(lo), int(hi or lo) + 1)) if spec else set()
-
-
 def format_prompt(tok, prompt):  # text or chat messages -> token ids
     chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not tok.chat_template:
@@ -315,8 +309,7 @@ class Rollout:
     def grades(self):  # graders' and environments' replies
         for (gid, i), value, fault in self.workers.poll():
             g, c = self.groups[gid], self.groups[gid]["comps"][i]
-            if not self.task["env"]:  # a grade; `fault` says it failed
-                fault = fault or not isinstance(value, float)
+            if not self.task["env"]:  # a grade (a float), unless it failed
                 self.counters["reward_failed"] += fault
                 c["reward"] = 0.0 if fault else value
             elif fault:  # a raise, a hang, a wrong shape: this answer alone ends, at 0
@@ -412,8 +405,8 @@ class Rollout:
 if __name__ == "__main__":
     reward.die_with_parent()  # rank 0 stops us between steps, or dies
     config = json.loads(sys.argv[1])
-    if config["rollout_cpus"]:  # see fleet.place()
-        os.sched_setaffinity(0, cpus(config["rollout_cpus"]))
+    if config["cores"]:  # rollout_cpus: see fleet.place()
+        os.sched_setaffinity(0, config["cores"])
     try:
         Rollout(config, int(sys.argv[2])).run()
     except ValueError as e:  # a config that can't work: one line

@@ -4,7 +4,7 @@ ctl (versions), traj (groups), weights (Sender), received into a copy as it gene
 
 Runs in four places: every trainer rank (the store's clients, heartbeats), rank 0's sender
 threads (one per engine), each engine's loop (versions, groups), and each vLLM worker inside an
-engine (join, stage, load: the weights themselves). Rank 0's store keys (who writes, who reads):
+engine (join, receive, load: the weights themselves). Rank 0's store keys (who writes, who reads):
   start        rank 0 / engines: the version and prompt stream to begin from (JSON)
   plan         rank 0 / workers: each weight's place in the flat copy (JSON)
   shm, ipc     rank 0 / workers, colocated: the shared copy's file, or its CUDA IPC handle
@@ -14,6 +14,7 @@ engine (join, stage, load: the weights themselves). Rank 0's store keys (who wri
   loaded{e}    engine / other engines: its version (budget.py's reserve)
   started, pos engines / engines: groups started (the budget), stream positions taken
   ctl{e}/, traj{e}/, wake{e}/, weights{e}/  the process groups' own keys (PrefixStore)"""
+import dataclasses
 import io
 import itertools
 import json
@@ -39,6 +40,7 @@ DEAD_S = 10  # a peer silent this long is dead
 BUCKET = 2**27  # max bytes a broadcast moves
 
 
+# ---- everywhere: rank 0's store, what may be unpickled from it, heartbeats ----
 def open_store(host, port, master, timeout_s):
     """Rank 0's store (master) or a client of it. The master listens on `host` alone: loopback
     for one node, the interface MASTER_ADDR names for several (TCPStore by itself would listen on
@@ -145,6 +147,7 @@ class Heartbeat:
         os._exit(1)  # now: a collective would wait on the dead peer
 
 
+# ---- the wires: rank 0 and each engine's loop (ctl: versions, traj: groups) ----
 def gloo(store, name, rank, size, timeout_s):
     return dist.ProcessGroupGloo(
         dist.PrefixStore(name, store), rank, size, timedelta(seconds=timeout_s))
@@ -185,6 +188,7 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
     work.wait()  # raises its error
 
 
+# ---- the weights' layout and groups: rank 0 and each vLLM worker alike ----
 def plan(meta, dtype):  # [(name, shape)] -> buckets [(offset, numel, [(name, shape)])]
     buckets, o = [], 0
     for name, shape in meta:
@@ -202,14 +206,14 @@ def weights_in(flat, weights):  # a bucket's flat tensor -> [(name, view)]
     return [(name, part.view(shape)) for (name, shape), part in zip(weights, flat.split(sizes))]
 
 
-def staging(plan, cfg, device, path=None):  # a flat copy (colocated CPUs: a file in /dev/shm)
+def new_copy(plan, cfg, device, path=None):  # a flat copy (colocated CPUs: a file in /dev/shm)
     size, dtype = sum(n for _, n, _ in plan), getattr(torch, cfg["rollout_dtype"])
     if path:  # unlinked once all mapped
         return torch.from_file(path, shared=True, size=size, dtype=dtype)
     return torch.empty(size, dtype=dtype, device=device)
 
 
-def staged(cfg):  # engines receive into a copy as they generate
+def staging(cfg):  # engines receive into a copy as they generate (else paused, by buckets)
     tp = torch.cuda.is_available() and cfg["tensor_parallel_size"] > 1
     return cfg["stage_weights"] and not tp
 
@@ -230,7 +234,7 @@ def weight_groups(store, e, rank, device, cfg):  # engine e's (wake, weights: NC
         return wake, pg
     pg = gloo(store, f"weights{e}", rank, world, cfg["timeout_s"])
     if cfg["colocate"]:
-        barrier(pg, device)  # all mapped the staging copy
+        barrier(pg, device)  # all mapped the shared copy
     return wake, pg
 
 
@@ -240,6 +244,7 @@ def barrier(pg, device):
     pg.allreduce([torch.zeros(1)]).wait()
 
 
+# ---- on rank 0: the sender (its threads, one an engine) ----
 class Sender:
     """Rank 0's end of the weights. push() fills a snapshot of the new weights; a thread an engine
     waits until its engine is ready (it loaded the last), then sends it the newest snapshot there
@@ -256,15 +261,15 @@ class Sender:
         self.device = device
         self.ctls = ctls
         self.colocate = cfg["colocate"]
-        self.paused = not (self.colocate or staged(cfg))  # then engines are told first
+        self.paused = not (self.colocate or staging(cfg))  # then engines are told first
         if self.colocate and device.type == "cpu":  # a new file of ours (O_EXCL: no link)
             fd, path = tempfile.mkstemp(prefix="nanoasync-", dir="/dev/shm")
             os.close(fd)
             store.set("shm", path)
-            self.copy = staging(plan, cfg, device, path)
-        elif self.colocate:  # the workers' staging copy
+            self.copy = new_copy(plan, cfg, device, path)
+        elif self.colocate:  # the workers' copy, shared
             from torch.multiprocessing.reductions import reduce_tensor
-            self.copy = staging(plan, cfg, device)
+            self.copy = new_copy(plan, cfg, device)
             store.set("ipc", pickle.dumps(reduce_tensor(self.copy)))
         store.set("plan", json.dumps(plan))  # last: the workers wait for it
         self.links = [weight_groups(store, e, 0, device, cfg) for e in range(len(ctls))]
@@ -296,7 +301,7 @@ class Sender:
             while any(v != newest for v in self.sending.values()) and not self.error:
                 self.cond.wait(0.05)
                 check_alive()
-        snapshot = staging(self.plan, self.cfg, self.device)
+        snapshot = new_copy(self.plan, self.cfg, self.device)
         fill(snapshot, self.plan, tensors)
         filled = None
         if self.device.type == "cuda":  # a sender's stream waits for this, not for what follows
@@ -364,7 +369,20 @@ def fill(flat, plan, tensors):  # (name, tensor) in plan order -> cast into flat
             part.copy_(t.detach())
 
 
-def join(worker, cfg, e):  # in each vLLM worker of engine e
+# ---- in each vLLM worker of an engine (collective_rpc): receiving and loading ----
+@dataclasses.dataclass
+class Worker:  # a worker's end of the weights, worker.nanoasync: join() makes it
+    cfg: dict
+    plan: list  # rank 0's: [(offset, numel, [(name, shape)])] a bucket
+    device: torch.device
+    wake: object  # with rank 0: "ready" (an allreduce), then the version coming (a broadcast)
+    weights: object  # with rank 0: the buckets' broadcasts (NCCL on GPUs)
+    copy: object  # the flat copy a push lands in as vLLM generates; None: paused
+    arrived: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # copy's versions
+    loaded: threading.Event = dataclasses.field(default_factory=threading.Event)  # copy read
+
+
+def join(worker, cfg, e):  # in each vLLM worker of engine e, once
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     store = open_store(cfg["host"], cfg["rollout_port"], False, cfg["timeout_s"])
@@ -374,76 +392,73 @@ def join(worker, cfg, e):  # in each vLLM worker of engine e
         fn, args = loads(store.get("ipc"))
         copy = fn(*args)
     elif cfg["colocate"]:  # the trainer's file
-        copy = staging(plan, cfg, device, store.get("shm").decode())
-    elif staged(cfg):
-        copy = staging(plan, cfg, device)
-    groups = weight_groups(store, e, 1 + worker.rank, device, cfg)
+        copy = new_copy(plan, cfg, device, store.get("shm").decode())
+    elif staging(cfg):
+        copy = new_copy(plan, cfg, device)
+    wake, weights = weight_groups(store, e, 1 + worker.rank, device, cfg)
     if cfg.get("lora_rank"):  # a zero adapter (the base's outputs) till the first push
         lora.swap(worker, [(n, torch.zeros(shape)) for _, _, ws in plan for n, shape in ws], cfg)
-    worker.nanoasync = s = dict(
-        cfg=cfg, copy=copy, plan=plan, device=device, groups=groups,
-        staged=queue.Queue(),  # stage()'s versions (or an error)
-        loaded=threading.Event())  # load() copied the last: receive the next
+    worker.nanoasync = w = Worker(cfg, plan, device, wake, weights, copy)
     if copy is not None:
-        threading.Thread(target=stage, args=(s,), daemon=True).start()
+        threading.Thread(target=stage, args=(w,), daemon=True).start()
 
 
-def receive(s):  # a push into the copy -> its version; paused -> (version, weights)
-    wake, pg = s["groups"]
-    wake.allreduce([torch.zeros(1, dtype=torch.int64)]).wait()  # we are ready (loaded the last)
+def receive(w):
+    """-> the version rank 0 sends next, once we said we are ready (we loaded the last). Its
+    buckets: already in the copy (staged, colocated), or still to come (paused: buckets())."""
+    w.wake.allreduce([torch.zeros(1, dtype=torch.int64)]).wait()  # ready
     version = torch.zeros(1, dtype=torch.int64)
-    wake.broadcast(version, 0).wait()  # the newest rank 0 has now
-    if s["cfg"]["colocate"]:
-        barrier(pg, s["device"])  # the trainer wrote it
-        return int(version)
-    if s["copy"] is None:
-        return int(version), received(s)
-    stream = torch.cuda.Stream(s["device"]) if s["device"].type == "cuda" else None
-    with torch.cuda.stream(stream):  # one no vLLM kernel waits on
-        works = [pg.broadcast(s["copy"][o:o + n], 0) for o, n, _ in s["plan"]]
-    for w in works:
-        finish(w)
+    w.wake.broadcast(version, 0).wait()  # the newest rank 0 has now
+    if w.cfg["colocate"]:
+        barrier(w.weights, w.device)  # the trainer wrote it
+    elif w.copy is not None:
+        stream = torch.cuda.Stream(w.device) if w.device.type == "cuda" else None
+        with torch.cuda.stream(stream):  # one no vLLM kernel waits on
+            works = [w.weights.broadcast(w.copy[o:o + n], 0) for o, n, _ in w.plan]
+        for work in works:
+            finish(work)
     return int(version)
 
 
-def received(s):  # paused: a tensor a bucket (vLLM may keep views)
-    for _, n, weights in s["plan"]:
-        flat = torch.empty(n, dtype=getattr(torch, s["cfg"]["rollout_dtype"]), device=s["device"])
-        s["groups"][1].broadcast(flat, 0).wait()  # on a GPU the stream waits, not the host
+def buckets(w):  # paused: a new tensor a bucket (vLLM may keep views) -> (name, weight)
+    for _, n, weights in w.plan:
+        flat = torch.empty(n, dtype=getattr(torch, w.cfg["rollout_dtype"]), device=w.device)
+        w.weights.broadcast(flat, 0).wait()  # on a GPU the stream waits, not the host
         yield from weights_in(flat, weights)
 
 
-def stage(s):  # a thread a worker: pushes into the copy
+def stage(w):  # a thread a worker: pushes into the copy, one at a time
     try:
         while True:
-            s["staged"].put(receive(s))
-            s["loaded"].wait()  # load() copied it: the next may overwrite it
-            s["loaded"].clear()
+            w.arrived.put(receive(w))
+            w.loaded.wait()  # load() copied it: the next may overwrite it
+            w.loaded.clear()
     except Exception as e:  # load() raises it
-        s["staged"].put(e)
+        w.arrived.put(e)
 
 
 def load(worker):  # in each vLLM worker, engine paused -> the version
-    s, cuda = worker.nanoasync, torch.cuda.is_available()
+    w, cuda = worker.nanoasync, torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()  # no forward pass reads old weights
-    if s["copy"] is None:  # paused: receive the push itself
-        version, weights = receive(s)
+    if w.copy is None:  # paused: receive the push itself
+        version = receive(w)
+        weights = buckets(w)
     else:
         try:
-            version = s["staged"].get(timeout=s["cfg"]["timeout_s"])
+            version = w.arrived.get(timeout=w.cfg["timeout_s"])
         except queue.Empty:
-            raise TimeoutError(f"no weights came in timeout_s={s['cfg']['timeout_s']} s") from None
+            raise TimeoutError(f"no weights came in timeout_s={w.cfg['timeout_s']} s") from None
         if isinstance(version, Exception):
             raise RuntimeError(f"receiving weights failed: {version}")
-        weights = (w for o, n, ws in s["plan"] for w in weights_in(s["copy"][o:o + n], ws))
-    if s["cfg"].get("lora_rank"):  # only the adapter came
-        lora.swap(worker, weights, s["cfg"])
+        weights = (x for o, n, ws in w.plan for x in weights_in(w.copy[o:o + n], ws))
+    if w.cfg.get("lora_rank"):  # only the adapter came
+        lora.swap(worker, weights, w.cfg)
     else:
         copy_in(worker, weights)
     if cuda:
         torch.cuda.synchronize()  # all streams see the new weights
-    s["loaded"].set()
+    w.loaded.set()
     return version
 
 

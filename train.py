@@ -29,7 +29,7 @@ from fleet import Fleet, kill, place, report_exits, spawn, store_host, watch
 
 # ---- config/*.py, then --key=value, override these defaults ----
 model = "data/tiny"  # an HF folder or hub id
-task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME (reasoning-gym)
+task = "arithmetic"  # arithmetic | gsm8k | calculator | rg:NAME | env:MODULE:CLASS (env.py)
 data_path = ""  # gsm8k: jsonl of {"question", "answer"}, or a hub id
 out_dir = "out"
 tracker = ""  # wandb | trackio

@@ -1,9 +1,12 @@
 """bench.py --env: the calculator environment with every step ENV_STEP_S slower (default 50 ms),
 as a remote sandbox or a tool behind a network would be."""
 import os
+import sys
 import time
 
-from reward import Calculator
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "envs"))
+
+from calculator import Calculator
 
 
 class SlowCalculator(Calculator):

@@ -14,7 +14,7 @@ import sync  # noqa: E402
 
 
 def raw(worker, numel):  # one broadcast of numel floats on the weights group
-    worker.nanoasync["groups"][1].broadcast(torch.empty(numel), 0).wait()
+    worker.nanoasync.weights.broadcast(torch.empty(numel), 0).wait()
 
 
 if __name__ == "__main__":

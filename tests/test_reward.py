@@ -75,14 +75,17 @@ def flood(text, answer):
     return "1" * 2**20
 
 
+def words(text, answer):
+    return "<result>42</result>"
+
+
 def test_a_raising_hanging_or_flooding_call_fails_and_is_counted():
-    """The same for grades and tools: an exception, a call past the limit (killed with its process)
-    or a megabyte of output is a failure, never a crash or a hang; the next call is served."""
+    """A grade that raises, runs past the limit (killed with its process) or returns no finite
+    number (a megabyte of digits, words) fails, never a crash or a hang; the next is served."""
     graders = reward.Workers(workers=1, timeout_s=1.0)
     assert grade_all(graders, ["42"], fn=boom) == [(None, True)]
     assert grade_all(graders, ["42"], fn=flood) == [(None, True)]
-    assert grade_all(graders, ["<calc>6 * 7</calc>"], fn=reward.calculator_turn) == [
-        ("<result>42</result>", False)]
+    assert grade_all(graders, ["42"], fn=words) == [(None, True)]  # no number: no grade
     graders.close()
     graders = reward.Workers(workers=2, timeout_s=0.5)
     t0 = time.time()
@@ -135,39 +138,43 @@ def test_gsm8k_jsonl(tmp_path):
 
 
 def test_the_calculator_computes_arithmetic_and_nothing_else():
-    assert reward.calculate("9376 * 509") == 4772384
-    assert reward.calculate(" 1,000 + 2 = ") == 1002 and reward.calculate("(2 + 3) x 4") == 20
-    assert reward.calculate("7 / 2") == 3.5 and reward.calculate("-3 - -4") == 1
+    from envs.calculator import Calculator, calculate
+    assert calculate("9376 * 509") == 4772384
+    assert calculate(" 1,000 + 2 = ") == 1002 and calculate("(2 + 3) x 4") == 20
+    assert calculate("7 / 2") == 3.5 and calculate("-3 - -4") == 1
     for bad in ("__import__('os').system('true')", "2 ** 99999", "a + 1", "[1] * 9", "1 +"):
         with pytest.raises((ValueError, SyntaxError)):
-            reward.calculate(bad)
-    turn = reward.calculator_turn
-    assert turn("The answer is 42.", "42") is None  # no call: the answer is final
-    assert turn("so <calc>23 * 45</calc>", "1035") == "<result>1035</result>"
-    assert turn("<calc>1 / 0</calc>", "1") == "<result>error</result>"
-    assert turn("<calc>os</calc>", "1") == "<result>error</result>"
-    assert turn("<calc>10 / 4</calc>", "1") == "<result>2.5</result>"
+            calculate(bad)
+    env = Calculator(0)
+    turn = lambda text: env.step(text)[0]
+    assert env.step(f"The answer is {env.answer}.") == (None, 1.0, True)  # no call: graded
+    assert env.step("The answer is 42.") == (None, 0.0, True)
+    assert turn("so <calc>23 * 45</calc>") == "<result>1035</result>"
+    assert turn("<calc>1 / 0</calc>") == "<result>error</result>"
+    assert turn("<calc>os</calc>") == "<result>error</result>"
+    assert turn("<calc>10 / 4</calc>") == "<result>2.5</result>"
 
 
 def test_the_calculator_is_an_environment():
-    """task = "calculator" is the environment reward.Calculator: a seed's problem, a call's
+    """task = "calculator" is the environment envs/calculator.py: a seed's problem, a call's
     result appended to the model's message, the answer after it graded."""
     cfg = {"task": "calculator", "seed": 0, "eval_n": 50, "max_turns": 3}
+    from envs.calculator import Calculator, CalculatorNoTool
     task = reward.load_task(cfg)
-    assert task["env"] == "env:reward:Calculator" and task["stop"] == "</calc>"
+    assert task["env"] == f"env:{reward.CALCULATOR}:Calculator" and task["stop"] == "</calc>"
     assert [p["answer"] for p in task["eval"]] == list(range(50))  # held-out seeds
     assert min(p["answer"] for p in task["train"]) >= 50
-    env = reward.Calculator(7)
+    env = Calculator(7)
     prompt = env.reset()
     assert prompt[1]["content"].startswith("<calc>") and prompt[-1]["role"] == "user"
-    assert prompt == reward.Calculator(7).reset() != reward.Calculator(8).reset()
+    assert prompt == Calculator(7).reset() != Calculator(8).reset()
     a, b = map(int, re.findall(r"\d+", prompt[-1]["content"]))
     assert env.step(f"<calc>{a} * {b}</calc>") == (f"<result>{a * b}</result>", 0.0, False)
     assert env.step(f" The answer is {a * b}.") == (None, 1.0, True)
-    assert reward.Calculator(7).step("The answer is 3.") == (None, 0.0, True)
+    assert Calculator(7).step("The answer is 3.") == (None, 0.0, True)
     alone = reward.load_task(dict(cfg, max_turns=1))  # the baseline: no calculator offered
-    assert alone["env"] == "env:reward:CalculatorNoTool" and alone["stop"] is None
-    assert "<calc>" not in json.dumps(reward.CalculatorNoTool(7).reset())
+    assert alone["env"].endswith("envs/calculator.py:CalculatorNoTool") and alone["stop"] is None
+    assert "<calc>" not in json.dumps(CalculatorNoTool(7).reset())
 
 
 @pytest.mark.parametrize("name", ["chain_sum", "letter_counting"])

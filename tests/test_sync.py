@@ -88,8 +88,8 @@ def test_a_busy_engine_gets_the_newest_weights(tiny, monkeypatch):
     port = free_port()
     cfg = {"rollout_dtype": "float32", "colocate": False, "rollout_port": port, "timeout_s": 60,
            "tensor_parallel_size": 1, "stage_weights": True, "newest": True}
-    alive, staging = [], sync.staging  # each snapshot rank 0 makes, while it lives
-    monkeypatch.setattr(sync, "staging", lambda *a: alive.append(weakref.ref(t := staging(*a)))
+    alive, new_copy = [], sync.new_copy  # each snapshot rank 0 makes, while it lives
+    monkeypatch.setattr(sync, "new_copy", lambda *a: alive.append(weakref.ref(t := new_copy(*a)))
                         or t)
     store = sync.open_store("127.0.0.1", port, True, 60)
     peer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/vllm_peer.py"),
