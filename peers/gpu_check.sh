@@ -2,7 +2,7 @@
 # The GPU check: one command, about 8 minutes on one H100/H200, each part bounded; every part's
 # output under $OUT (default out/gpu_check), one line a part in $OUT/summary.txt.
 #   bash peers/gpu_check.sh
-# It needs vLLM importable (on the lent machine: ../shared/gpu/README.md carries the wheels).
+# It needs vLLM importable (requirements-gpu.txt).
 # Without a GPU it rehearses every part that can run on CPU (tiny model, small shapes), which
 # checks the script itself; the table it prints there says nothing about a GPU.
 #   1. varlen   FlashAttention's varlen kernel against per-segment SDPA, asserted (CPU: skipped)
