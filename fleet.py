@@ -63,8 +63,9 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):  # this node's engines,
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and "TORCHELASTIC" not in k}
     env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),  # for sync
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # its core in-process: per-token tags
-    if spec := cfg["rollout_cpus"]:
-        env.update(VLLM_CPU_OMP_THREADS_BIND=spec, OMP_NUM_THREADS=str(len(cpus(spec))))
+    cores = sorted(cpus(cfg["rollout_cpus"]))  # (rollout.py pins itself to them)
+    if cores:
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cfg["rollout_cpus"], OMP_NUM_THREADS=str(len(cores)))
     if cfg["rollout_dtype"] == "float32":  # Triton attention in IEEE fp32, not TF32
         env.setdefault("TRITON_F32_DEFAULT", "ieee")
     share = cfg["gpu_memory_utilization"]
@@ -76,7 +77,7 @@ def spawn(cfg, engine_gpus, first, engines, host, plan):  # this node's engines,
                 f"gpu_memory_utilization={cfg['gpu_memory_utilization']}: raise it, or "
                 "--stage_weights=False (paused pushes, no copy)")
     cfg = json.dumps(dict(cfg, engines=engines, host=host, gpu_memory_utilization=share,
-                          cores=sorted(cpus(cfg["rollout_cpus"]))))
+                          cores=cores))
     return [subprocess.Popen([sys.executable, f"{ROOT}/rollout.py", cfg, str(first + e)],
                              env=dict(env, CUDA_VISIBLE_DEVICES=",".join(gpus)) if gpus else env)
             for e, gpus in enumerate(engine_gpus)]

@@ -19,9 +19,8 @@ def add(net, cfg, dtype):  # adapters in -> the model; base frozen in dtype, no 
     body = net.model.named_modules()  # not the head: loss.py uses its weight
     linear = {n.rpartition(".")[2] for n, m in body if type(m).__name__ == "Linear"}
     if cfg["lora_targets"] != "all-linear" and set(cfg["lora_targets"].split(",")) - linear:
-        print(f"error: lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
-              f"{','.join(sorted(linear))}, or all-linear", file=sys.stderr)
-        sys.exit(2)  # as configurator.die, without importing it (it imports us)
+        raise ValueError(f"lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
+                         f"{','.join(sorted(linear))}, or all-linear")
     import torch
     net = get_peft_model(net, LoraConfig(**settings(cfg))).get_base_model()
     for p in net.parameters():  # the adapter in fp32 (AdamW's updates are ~1e-5 of a weight)
@@ -41,7 +40,6 @@ def servable(archs):
     """Can vLLM serve the model with LoRA? Asked of a child process: a trainer rank that imports
     vLLM is left compiling its layers on one thread. (No vLLM at all: the engines will say.)"""
     import subprocess
-    import sys
     ask = ("import sys; from vllm.model_executor.models.interfaces import supports_lora; "
            "from vllm.model_executor.models.registry import ModelRegistry as R; "
            f"sys.exit(0 if any(supports_lora(R._try_load_model_cls(a)) for a in {archs!r}) else 3)")

@@ -21,7 +21,7 @@ def plot(run_dir, baseline=None):
     other = []  # a baseline run's evals: a line if it trained (a control arm), else its level
     if baseline and os.path.isdir(baseline):
         other = [json.loads(line) for line in open(f"{baseline}/metrics.jsonl")]
-        if sum("loss" in r for r in other) == 0:
+        if not any("loss" in r for r in other):
             baseline, other = next(r["eval_accuracy"] for r in other if "eval_accuracy" in r), []
     at = {r["version"]: r for r in steps}
     fig = Figure(figsize=(15, 4), layout="tight")

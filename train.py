@@ -110,7 +110,10 @@ dtype = getattr(torch, trainer_dtype)
 policy = AutoModelForCausalLM.from_pretrained(
     model, dtype=dtype if lora_rank else torch.float32).to(device)
 if lora_rank:
-    policy = lora.add(policy, config, dtype)
+    try:
+        policy = lora.add(policy, config, dtype)
+    except ValueError as e:  # lora_targets the model has not: one line, as every config error
+        configurator.die(str(e))
 L.shard(policy, dtype, activation_checkpointing, compile_layers)
 trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]  # or LoRA's
 optimizer = torch.optim.AdamW([p for _, p in trained], lr=lr, weight_decay=0.0, fused=cuda)

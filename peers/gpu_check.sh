@@ -17,7 +17,7 @@ OUT=${OUT:-out/gpu_check}
 PY=${PY:-python3}
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
-export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried to the lent machine
+export VLLM_USE_FLASHINFER_SAMPLER=0  # requirements-gpu.txt installs no flashinfer
 if nvidia-smi > /dev/null 2>&1; then
   DTYPES=bfloat16,float16
   SHAPE="--shape=7b --max_gib=30 --groups=16 --tokens=512 --budget=16384"

@@ -1,12 +1,9 @@
 """bench.py --env: the calculator environment with every step ENV_STEP_S slower (default 50 ms),
 as a remote sandbox or a tool behind a network would be."""
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "envs"))
-
-from calculator import Calculator
+from envs.calculator import Calculator  # the repository is on the engines' path
 
 
 class SlowCalculator(Calculator):
