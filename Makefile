@@ -49,6 +49,6 @@ guess: setup
 
 test: .venv/.test-installed
 	$(PY) prepare.py tiny
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 .PHONY: setup demo agent lora guess test

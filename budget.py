@@ -5,8 +5,7 @@ its share of what v added, then anyone's: none holds another back.
 
 Runs in each engine process (rollout.py); the count lives in rank 0's store, so every engine on
 every node draws on the same budget without talking to the others."""
-import math
-import time
+import math, time
 
 RESERVE_S = 2.0  # after a load, the others' shares stay theirs
 LOOK_S = 0.01  # spent: look again at most this often

@@ -3,9 +3,7 @@ flat; deal() splits a batch over ranks. No priority, no replay, no memory cap.
 
 Runs on trainer rank 0: a receiving thread per engine put()s groups as they arrive, and the main
 loop get()s a batch at each step boundary. Other ranks get their share by broadcast."""
-import dataclasses
-import threading
-import time
+import threading, time
 from collections import Counter
 
 from loss import tokens
@@ -77,15 +75,14 @@ class Buffer:
             return self.groups.pop(0)
 
 
-@dataclasses.dataclass
 class Wait:  # one get()'s clocks and its dropped groups, for the reports and the stall
-    version: int
-    n_groups: int
-    start: float = dataclasses.field(default_factory=time.perf_counter)
-    told: float = dataclasses.field(default_factory=time.perf_counter)  # the last report
-    usable: float = dataclasses.field(default_factory=time.perf_counter)  # one last came
-    dropped: list = dataclasses.field(default_factory=list)  # since the last usable one
-    reported: int = 0  # of those, already in a report
+    def __init__(self, version, n_groups):
+        self.version = version
+        self.n_groups = n_groups
+        # start: the get() began; told: the last report; usable: a usable group last came
+        self.start = self.told = self.usable = time.perf_counter()
+        self.dropped = []  # since the last usable one
+        self.reported = 0  # of those, already in a report
 
 
 def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 stale"
@@ -99,11 +96,9 @@ def describe(dropped):  # -> "3 groups dropped since ...: 2 flat at reward 0, 1 
 def deal(groups, world_size):
     """-> each rank's groups: the longest first, each to the rank with the fewest tokens (a step
     lasts as its slowest rank); a flat group only fills a rank with none."""
-    shares, load = [[] for _ in range(world_size)], [0] * world_size
+    shares = [[] for _ in range(world_size)]
     for g in sorted([g for g in groups if not is_flat(g)], key=tokens, reverse=True):
-        r = load.index(min(load))
-        shares[r].append(g)
-        load[r] += tokens(g)
+        min(shares, key=lambda share: sum(map(tokens, share))).append(g)  # the first lightest
     filler = [g for g in groups if is_flat(g)]
     for share in shares:
         if not share:

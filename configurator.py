@@ -4,13 +4,9 @@ types kept; check() validates the rest. A mistake stops, saying why.
 Runs in every trainer rank at start-up, before any process group, model or engine exists, so a
 mistake costs seconds, not a GPU allocation: each error is one `error:` line and exit code 2.
 Rank 0 alone looks at the checkpoint and plays the environment once: other nodes need neither."""
-import ast
-import difflib
-import importlib.util
-import json
-import os
-import runpy
-import sys
+import ast, difflib, importlib.util, json, os, runpy, sys
+
+import torch
 
 
 def die(msg):
@@ -101,21 +97,20 @@ def check(cfg, world):  # before anything starts -> cfg, model resolved
         die(f"unknown tracker {cfg['tracker']!r}: use wandb, trackio or \"\" (none)")
     if cfg["tracker"] and importlib.util.find_spec(cfg["tracker"]) is None:
         die(f"tracker {cfg['tracker']!r} is not installed: pip install {cfg['tracker']}")
-    given = cfg  # the model as written: a hub id resolves to another folder on another machine
-    cfg = dict(cfg, model=resolve_model(cfg["model"]))
-    check_model(cfg)
+    # cfg keeps the model as written: a hub id resolves to another folder on another machine
+    resolved = dict(cfg, model=resolve_model(cfg["model"]))
+    check_model(resolved)
     try:  # the engines load it too; errors are clearer here
-        task = reward.load_task(cfg)
+        task = reward.load_task(resolved)
     except (OSError, ValueError, KeyError) as e:
         die(str(e))
     if task["env"] and os.environ["RANK"] == "0":  # played once, as an engine would
         import env
-        why = env.smoke(task["env"], cfg["reward_timeout_s"])
-        if why:
+        if why := env.smoke(task["env"], cfg["reward_timeout_s"]):
             die(f"task {cfg['task']!r}: seed 0's reset(), then step(''), failed: {why}")
     if os.environ["RANK"] == "0":  # rank 0 alone reads it: other nodes need no copy
-        check_checkpoint(cfg, given)
-    return cfg
+        check_checkpoint(cfg)
+    return resolved
 
 
 def check_model(cfg):
@@ -142,7 +137,6 @@ def check_model(cfg):
         die(f"{kind!r} uses sliding windows, softcapping or attention sinks, which the packed "
             "attention (loss.py) does not implement: another model, or for a window "
             f"--max_model_len={window or 0} or less")
-    import torch
     if cfg["lora_rank"] and cfg["rollout_dtype"] == "float32" and torch.cuda.is_available():
         die("lora_rank > 0 on a GPU needs --rollout_dtype=bfloat16 (or float16): vLLM's LoRA "
             "kernels take no float32")
@@ -155,7 +149,7 @@ def check_model(cfg):
 SHAPING = "model task data_path seed eval_n lora_rank lora_alpha lora_targets".split()
 
 
-def check_checkpoint(cfg, given):
+def check_checkpoint(cfg):
     """A checkpoint in out_dir is never overwritten by a fresh run (a re-run command, a requeued
     job): --resume continues it. Resuming, the checkpoint's config must agree on SHAPING."""
     path = f"{cfg['out_dir']}/ckpt.pt"
@@ -163,7 +157,6 @@ def check_checkpoint(cfg, given):
         if cfg["resume"]:
             die(f"--resume: no {path} (--ckpt_every=K writes one); drop --resume")
         return
-    import torch
     try:  # memory-mapped: reads the small parts only
         ckpt = torch.load(path, mmap=True, weights_only=True)
     except Exception as e:
@@ -172,8 +165,8 @@ def check_checkpoint(cfg, given):
         die(f"{cfg['out_dir']} has a checkpoint at version {ckpt['version']}: --resume to "
             "continue, or another --out_dir")
     saved = ckpt.get("config", {})  # none before checkpoints kept it
-    differ = [k for k in SHAPING if k in saved and saved[k] != given[k]]
+    differ = [k for k in SHAPING if k in saved and saved[k] != cfg[k]]
     if differ:
         die(f"--resume: {path} was made with " + ", ".join(
             f"{k}={saved[k]!r}" for k in differ) + " (now " + ", ".join(
-            f"{given[k]!r}" for k in differ) + "): resume with those, or another --out_dir")
+            f"{cfg[k]!r}" for k in differ) + "): resume with those, or another --out_dir")

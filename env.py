@@ -14,15 +14,7 @@ and a step that hangs is ended by killing that one process, which loses no other
 processes fork from a server that imported the module once, so each costs a fork (milliseconds,
 a few MB), not an import. Simplifications: a process per live answer (so replies are expected to
 be quick or to wait on something else: their waits overlap generation); no vectorised envs."""
-import importlib
-import importlib.util
-import multiprocessing
-import os
-import resource
-import sys
-import time
-import traceback
-import types
+import contextlib, importlib, multiprocessing, os, resource, sys, time, traceback, types
 from multiprocessing.connection import wait
 
 EVAL_SEEDS = 1_000_000  # held-out seeds are 0..eval_n-1; training seeds start here
@@ -37,14 +29,13 @@ def load(spec):
     except ValueError:
         raise ValueError(f"task {spec!r}: write env:MODULE:CLASS, e.g. env:envs/guess.py:"
                          "GuessNumber") from None
+    folder = os.getcwd()  # `python train.py` has its own folder, not the cwd
     if module.endswith(".py"):
         if not os.path.isfile(module):
             raise ValueError(f"task {spec!r}: no file {module!r}")
         folder, module = os.path.split(os.path.abspath(module[:-3]))
-        if folder not in sys.path:  # load() runs more than once a process
-            sys.path.insert(0, folder)
-    elif os.getcwd() not in sys.path:  # `python train.py` has its own folder, not the cwd
-        sys.path.insert(0, os.getcwd())
+    if folder not in sys.path:  # load() runs more than once a process
+        sys.path.insert(0, folder)
     try:
         cls = getattr(importlib.import_module(module), name)
     except Exception as e:  # an ImportError, or whatever the module raised as it loaded
@@ -91,13 +82,13 @@ def serve(conn, spec, seed):
     try:
         cls, _ = load(spec)
         env = cls(seed)
-        conn.send(("ok", prompt_of(cls, env.reset())))
+        conn.send((prompt_of(cls, env.reset()), None))
         while (text := conn.recv()) is not None:
-            conn.send(("ok", reply_of(cls, env.step(text))))
+            conn.send((reply_of(cls, env.step(text)), None))
     except EOFError:  # the engine went away
         pass
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send((traceback.format_exc(), "error"))
     finally:
         if env is not None and callable(getattr(env, "close", None)):
             env.close()
@@ -118,11 +109,7 @@ class Envs:
             want = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
             resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
         self.live = {}  # key -> (process, connection)
-        self.due = {}  # key -> deadline of the call it has not answered yet
-
-    @property
-    def running(self):
-        return bool(self.due)
+        self.running = {}  # key -> deadline of the call it has not answered yet
 
     def start(self, key, seed):
         ours, theirs = self.ctx.Pipe()
@@ -135,23 +122,22 @@ class Envs:
             sys.modules["__main__"] = main
         theirs.close()
         self.live[key] = (p, ours)
-        self.due[key] = time.monotonic() + self.timeout_s
+        self.running[key] = time.monotonic() + self.timeout_s
 
     def call(self, key, text):
         self.live[key][1].send(text)
-        self.due[key] = time.monotonic() + self.timeout_s
+        self.running[key] = time.monotonic() + self.timeout_s
 
     def wait(self, timeout):  # until a reply, or timeout seconds
-        wait([self.live[k][1] for k in self.due], timeout)
+        wait([self.live[k][1] for k in self.running], timeout)
 
     def poll(self):
         done, now = [], time.monotonic()
-        for key, deadline in list(self.due.items()):
+        for key, deadline in list(self.running.items()):
             p, conn = self.live[key]
             try:
                 if conn.poll():
-                    kind, value = conn.recv()
-                    done.append((key, value, None if kind == "ok" else "error"))
+                    done.append((key, *conn.recv()))  # (value, None) or (traceback, "error")
                 elif now > deadline:
                     done.append((key, f"no reply in reward_timeout_s={self.timeout_s}", "timeout"))
                 else:
@@ -159,21 +145,19 @@ class Envs:
             except (EOFError, OSError):  # it died without a word (killed, out of memory)
                 p.join(1)
                 done.append((key, f"its process died (exit code {p.exitcode})", "error"))
-            del self.due[key]
+            del self.running[key]
             if done[-1][2]:  # a failed answer is over; a hung process is killed
                 self.end(key, kill=done[-1][2] == "timeout")
         return done
 
     def end(self, key, kill=False):  # the answer is over: its process closes the env, exits
         p, conn = self.live.pop(key)
-        self.due.pop(key, None)
+        self.running.pop(key, None)
         if kill:
             p.kill()
         else:
-            try:
+            with contextlib.suppress(OSError):  # it has gone already
                 conn.send(None)
-            except OSError:  # it has gone already
-                pass
         conn.close()
         multiprocessing.active_children()  # joins those that exited: no zombies
 
@@ -187,15 +171,12 @@ def smoke(spec, timeout_s):
     engine runs them. -> None, or what went wrong (the traceback's last line, or the timeout)."""
     envs = Envs(spec, timeout_s)
     try:
-        envs.start(0, 0)
-        for text in (None, ""):
-            if text is not None:
-                envs.call(0, text)
+        for ask, arg in ((envs.start, 0), (envs.call, "")):  # seed 0's reset(), then step("")
+            ask(0, arg)
             while not (got := envs.poll()):
                 envs.wait(0.1)
             _, value, fault = got[0]
             if fault:
                 return value.strip().splitlines()[-1]
-        return None
     finally:
         envs.close()

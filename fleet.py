@@ -4,13 +4,7 @@
 Runs in the trainer ranks: place() and watch() on every rank, spawn() on each node's first rank
 (its engines), Fleet on rank 0 alone. Nothing here runs in an engine: the engines' own code is
 rollout.py, which this file starts as a separate program."""
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
+import json, os, signal, subprocess, sys, threading, time
 from contextlib import suppress
 
 import torch
@@ -89,13 +83,12 @@ def store_host(nodes):  # where rank 0's store listens: one node needs no networ
 
 def watch(cfg, rank, world, local_world, nodes, engines=()):  # a rank's heartbeat (sync.py)
     E = cfg["rollout_engines"]
-    node = rank // local_world
     peers = {f"rank{r}": f"trainer rank {r} (node {r // local_world})"
              for r in range(world) if r != rank}
     peers.update({f"beat{e}": f"rollout process {e} (node {e // E})" for e in range(E * nodes)})
     return sync.Heartbeat(
-        store_host(nodes), cfg["rollout_port"], f"rank{rank}", peers,
-        cfg["start_timeout_s"], cfg["timeout_s"], lambda: report_exits(engines, node * E, node))
+        store_host(nodes), cfg["rollout_port"], f"rank{rank}", peers, cfg["start_timeout_s"],
+        cfg["timeout_s"], lambda: report_exits(engines, rank // local_world, E))
 
 
 class Fleet:  # rank 0's end of each engine
@@ -131,9 +124,8 @@ class Fleet:  # rank 0's end of each engine
         discard = lambda g: self.store.add("started", -1)
         self.buffer = Buffer(cfg["max_staleness"], cfg["drop_flat"], discard, cfg["stall_s"])
         self.buffer.dropped.update(zip(("stale", "flat"), ckpt.get("dropped", ())))
-        self.receivers = [
-            threading.Thread(target=self.receive, args=(e, t), daemon=True)
-            for e, t in enumerate(trajs)]
+        self.receivers = [threading.Thread(target=self.receive, args=(e, t), daemon=True)
+                          for e, t in enumerate(trajs)]
         for r in self.receivers:
             r.start()
 
@@ -203,8 +195,8 @@ class Fleet:  # rank 0's end of each engine
         self.sender.close()
 
 
-def report_exits(procs, first, node):  # another node's engines
-    for e, p in enumerate(procs, first):
+def report_exits(procs, node, per_node):  # another node's engines (numbered node by node)
+    for e, p in enumerate(procs, node * per_node):
         if p.poll() not in (None, 0) and not hasattr(p, "reported"):
             p.reported = True
             print(f"error: rollout process {e} (node {node}, pid {p.pid}) exited with code "

@@ -5,6 +5,8 @@ Simplifications: one adapter, no dropout; `prepare.py merge` merges it into the 
 Runs in the trainer ranks (add, save) and inside each engine's vLLM workers (swap, fast_cpu_ops)."""
 import sys
 
+import torch
+
 ID = 1  # in vLLM: every request names it
 
 
@@ -21,7 +23,6 @@ def add(net, cfg, dtype):  # adapters in -> the model; base frozen in dtype, no 
     if cfg["lora_targets"] != "all-linear" and set(cfg["lora_targets"].split(",")) - linear:
         raise ValueError(f"lora_targets={cfg['lora_targets']!r}: the model's layers to adapt are "
                          f"{','.join(sorted(linear))}, or all-linear")
-    import torch
     net = get_peft_model(net, LoraConfig(**settings(cfg))).get_base_model()
     for p in net.parameters():  # the adapter in fp32 (AdamW's updates are ~1e-5 of a weight)
         p.data = p.data.to(torch.float32 if p.requires_grad else dtype)
@@ -86,15 +87,13 @@ def vllm_name(name):  # PEFT's name in the model -> the saved adapter's
 
 
 def swap(worker, tensors, cfg):  # in a vLLM worker: these replace its adapter
-    import torch
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
     manager = worker.model_runner.lora_manager
-    helper = PEFTHelper.from_dict(settings(cfg))
     tensors = {vllm_name(n): t.to("cpu", copy=True) for n, t in tensors}
     adapter = LoRAModel.from_lora_tensors(
-        ID, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size)
+        ID, tensors, PEFTHelper.from_dict(settings(cfg)), device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
     with torch.no_grad():  # as vLLM adds one: into its slot, on its device
         manager.remove_adapter(ID)
         manager._adapter_manager.add_adapter(adapter)

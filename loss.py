@@ -5,8 +5,7 @@
   loss  = token mean over the batch of -A_i * sg(w_i) * log pi_theta(y_t)
 One optimizer step a batch: a PPO clip never binds on fresh tokens; the bounds act on stale.
 Runs in every trainer rank, on its share of each batch."""
-import inspect
-import math
+import inspect, math
 from functools import partial
 
 import numpy as np
@@ -22,13 +21,11 @@ def tokens(group):  # its length packed in a micro-batch
 
 
 def micro_batches(groups, budget):  # consecutive groups, <= budget packed tokens (or one)
-    batches, size = [[]], 0
+    batches = [[]]
     for g in groups:
-        if batches[-1] and size + tokens(g) > budget:
+        if batches[-1] and sum(map(tokens, batches[-1])) + tokens(g) > budget:
             batches.append([])
-            size = 0
         batches[-1].append(g)
-        size += tokens(g)
     return batches
 
 
@@ -88,16 +85,16 @@ def pack(groups):
 
 
 def to_device(batch, device):  # to a GPU not blocking (it waits for work)
-    out = dict(batch)
-    for k, x in batch.items():
-        if isinstance(x, np.ndarray):
-            t = torch.from_numpy(x)
-            out[k] = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-    return out
+    def move(x):
+        t = torch.from_numpy(x)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return {k: move(x) if isinstance(x, np.ndarray) else x for k, x in batch.items()}
 
 
 VARLEN = True  # FlashAttention's varlen kernel where it runs
-VARLEN_TAKES = inspect.signature(varlen_attn).parameters  # once: not traced in every layer
+# grouped-query heads (torch 2.11's varlen_attn has no enable_gqa): asked once, not traced in
+# every layer
+GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
 
 
 def varlen_runs(device, dtype):  # else a Python loop of SDPA calls, compiled per shape
@@ -110,9 +107,8 @@ def packed_attention(module, q, k, v, mask, scaling, packed=None, **unused):
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, heads, D]
     k, v = k[packed["keys"]], v[packed["keys"]]  # [K, Hkv, D]
     if varlen_runs(q.device, q.dtype):  # FlashAttention-2, grouped-query heads
-        gqa = {"enable_gqa": True} if "enable_gqa" in VARLEN_TAKES else {}  # torch 2.11 has none
         return varlen_attn(q, k, v, packed["cu_q"], packed["cu_k"], packed["max_q"],
-                           packed["max_k"], scale=scaling, window_size=(-1, 0), **gqa)[None], None
+                           packed["max_k"], scale=scaling, window_size=(-1, 0), **GQA)[None], None
     out = torch.empty_like(q)  # else an SDPA call a segment
     for q0, q1, k0, k1 in packed["segments"]:
         causal = q.new_ones(q1 - q0, k1 - k0, dtype=torch.bool)
@@ -193,7 +189,6 @@ def group_advantages(rewards, group_size):  # not divided by the std (results lo
 def grpo_loss(logp, behav, adv, mask, n_tokens, low=0.125, high=3.0):
     """logp, behav, mask [B, T]; adv [B]; n_tokens: the batch's (micro-batches and ranks sum to its
     token mean) -> (loss, tokens bounded)"""
-    mask = mask.to(logp.dtype)
     # a ratio a completion, its tokens' geometric mean (per token: worse)
     n = mask.sum(1, keepdim=True).clamp(min=1)
     log_rho = ((logp.detach() - behav) * mask).sum(1, keepdim=True) / n
@@ -226,6 +221,5 @@ def shard(net, dtype, checkpointing=False, compiled=False):
     wrap_layers(net, compiled and varlen_runs(next(net.parameters()).device, dtype), checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     frozen = {p for p in net.parameters() if not p.requires_grad} or None
-    for layer in net.model.layers:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=False, ignored_params=frozen)
-    return fully_shard(net, mp_policy=mp, reshard_after_forward=False, ignored_params=frozen)
+    for module in [*net.model.layers, net]:  # each layer, then the root
+        fully_shard(module, mp_policy=mp, reshard_after_forward=False, ignored_params=frozen)

@@ -3,10 +3,7 @@
 Runs on trainer rank 0 (token_sums on every rank, inside the loss). Rows are appended as they
 happen and never rewritten, except by a resume, which keeps exactly the rows before its
 checkpoint (reopen)."""
-import importlib
-import json
-import os
-import time
+import importlib, json, os, time
 from statistics import fmean as mean
 
 # per-token sums over a rank's micro-batches, all-reduced a step

@@ -41,10 +41,14 @@ def build_tiny(out_dir, tie=True, seed=0, context=512):  # context: max_position
                          eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.eos_token_id,
                          pad_token_id=hf_tok.pad_token_id, dtype="float32")
     model = Qwen2ForCausalLM(config)
-    tmp = out_dir + ".tmp"
+    tmp = f"{out_dir}.tmp{os.getpid()}"  # test workers may build it at once: each its own
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
-    os.replace(tmp, out_dir)  # atomic: a half-written folder is never mistaken for a model
+    try:
+        os.replace(tmp, out_dir)  # atomic: a half-written folder is never mistaken for a model
+    except OSError:  # another process's went there first: the same model (seed)
+        import shutil
+        shutil.rmtree(tmp)
     return out_dir
 
 

@@ -1,21 +1,13 @@
 """reward.py: tasks (load_task: train/eval problems {"id", "prompt", "answer"}, grade(text, answer)
 -> reward; or an environment, env.py, as the calculator is: envs/calculator.py), graders run in
-processes killed past a time limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only environments.
+processes killed past a time limit. Simplifications: reward 1 or 0 (rg: its scorer's); text-only
+environments.
 
 Runs in the trainer (load_task, to check the config) and in each engine (load_task, then the
 graders it submits to), and the grade functions in the grader processes, which are confined
 (confine): the model's text is untrusted input to everything here."""
-import concurrent.futures
-import ctypes
-import functools
-import json
-import math
-import multiprocessing
-import os
-import random
-import re
-import resource
-import signal
+import concurrent.futures, ctypes, functools, json, math
+import multiprocessing, os, random, re, resource, signal
 
 CALCULATOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs", "calculator.py")
 JSONL_HINT = "a jsonl file of {question, answer} lines"
@@ -62,7 +54,8 @@ def gsm8k(data_path, seed, n_eval, instruction=BOXED):  # a jsonl, or a hub id (
             raise ValueError(f"eval_n={n_eval} leaves none of {data_path}'s {len(train)} rows to "
                              "train on: lower eval_n")
         random.Random(seed).shuffle(train)
-        train, test = train[:-n_eval], train[-n_eval:]
+        cut = len(train) - n_eval  # (train[:-0] would be empty)
+        train, test = train[:cut], train[cut:]
     else:
         try:
             import datasets
@@ -162,9 +155,8 @@ def grade_math(text, answer):
     import logging
     import math_verify  # its SIGALRM timers off: Workers kill at the time limit
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": it is ours
-    gold = math_verify.parse(answer, parsing_timeout=None)
-    return float(math_verify.verify(
-        gold, math_verify.parse(text, parsing_timeout=None), timeout_seconds=None))
+    parse = functools.partial(math_verify.parse, parsing_timeout=None)
+    return float(math_verify.verify(parse(answer), parse(text), timeout_seconds=None))
 
 
 def safely(fn, text, answer):  # -> (the grade, failed): a raise, or no finite number, failed
@@ -207,9 +199,8 @@ class Workers:
     def __init__(self, workers=2, timeout_s=5.0):
         import pebble  # its workers ignore SIGINT, exit on SIGTERM: kills take no wait
         self.timeout_s = timeout_s
-        self.pool = pebble.ProcessPool(  # spawned: the engine has threads
-            workers, initializer=confine,
-            context=multiprocessing.get_context("spawn"))
+        self.pool = pebble.ProcessPool(workers, initializer=confine,  # spawned: engine's threads
+                                       context=multiprocessing.get_context("spawn"))
         self.running = {}  # future -> key
 
     def submit(self, key, fn, text, answer):

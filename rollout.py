@@ -6,22 +6,11 @@ Runs in its own process, one per engine (fleet.spawn starts it from each node's 
 vLLM's engine core and workers inside it. Graders (reward.Workers) and environments (env.Envs)
 run in processes of their own, so a slow or hung one never stalls this loop: the loop hands
 them text and picks up what has come back, once per engine step."""
-import json
-import os
-import queue
-import random
-import sys
-import threading
-import time
-import traceback
+import json, os, queue, random, sys, threading, time, traceback, types
 
 import numpy as np
 
-import budget
-import env
-import lora
-import reward
-import sync
+import budget, env, lora, reward, sync
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before importing vllm
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU warnings repeat
@@ -35,14 +24,11 @@ TOKENS = dict(ids=np.int32, logprobs=np.float32, versions=np.int32, mask=np.int3
 
 
 def completion():  # an answer, turn by turn
-    return {"ids": [],  # model and tool tokens
-            "logprobs": [],  # of the sampled distribution (tool's: 0)
-            "versions": [],  # policy version that made each
-            "mask": [],  # 1: model's, trained; 0: tool's
-            "text": "",  # the environment's words too
-            "turns": 0,  # model turns: replies + 1
-            "cut": False,  # hit max_new_tokens
-            "reward": 0.0}  # the grade, or the sum of the environment's rewards
+    # TOKENS' lists: ids (model and tool tokens), logprobs (of the sampled distribution; tool's: 0),
+    # versions (policy version that made each), mask (1: model's, trained; 0: tool's); text (the
+    # environment's words too), turns (model turns: replies + 1), cut (hit max_new_tokens), reward
+    # (the grade, or the sum of the environment's rewards)
+    return {**{key: [] for key in TOKENS}, "text": "", "turns": 0, "cut": False, "reward": 0.0}
 
 
 def extend(c, ids, logprobs, versions, model):
@@ -87,9 +73,8 @@ def user_turn(tok):
     earlier turns are never templated again: the trainer sees the tokens the engine saw."""
     if not tok.chat_template:
         return None
-    chat = [{"role": role, "content": f"NANOASYNC_{role}"}
-            for role in ("user", "assistant", "reply")]
-    chat[2]["role"] = "user"
+    chat = [{"role": role, "content": f"NANOASYNC_{role}"} for role in ("user", "assistant")]
+    chat.append({"role": "user", "content": "NANOASYNC_reply"})
     full = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     after_answer = full[full.index("NANOASYNC_assistant") + len("NANOASYNC_assistant"):]
     return tuple(after_answer.split("NANOASYNC_reply"))
@@ -115,7 +100,6 @@ class Rollout:
         self.spans = {}  # request id -> [(version, first token)]
         self.pending = None  # announced, not yet loaded
         self.holding = 0  # slots our training sequences hold (vLLM or tool)
-        self.in_vllm = 0  # of them in vLLM
         self.perm = {}  # epoch -> its prompts' order
         self.idle = ""  # our mark in the store
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -135,10 +119,9 @@ class Rollout:
         self.user_turn = user_turn(self.tok)
         self.faults = {}  # env fault kind -> first message, shown once
         self.answers = [0, 0]  # ended, of them failed: a broken environment fails fast
-        if self.task["env"]:  # its processes, or the graders'
-            self.workers = env.Envs(self.task["env"], self.cfg["reward_timeout_s"])
-        else:
-            self.workers = reward.Workers(self.cfg["grader_workers"], self.cfg["reward_timeout_s"])
+        timeout = self.cfg["reward_timeout_s"]  # its processes, or the graders'
+        self.workers = (env.Envs(self.task["env"], timeout) if self.task["env"]
+                        else reward.Workers(self.cfg["grader_workers"], timeout))
         ends = stop_settings(self.tok, self.task["stop"])
         self.params = lambda greedy, room: SamplingParams(  # finished turns only
             temperature=0.0 if greedy else self.cfg["temperature"], max_tokens=room, n=1,
@@ -235,8 +218,8 @@ class Rollout:
             self.open(f"eval{v}", self.eval_set, greedy=True, version=v)
 
     def mark_idle(self):  # borrow_cpus: idle{e} = version we wait for
-        busy = self.groups or self.pending is not None  # admit() ran just before
-        mark = "" if busy else str(self.version)
+        # busy: admit() ran just before
+        mark = "" if self.groups or self.pending is not None else str(self.version)
         if mark != self.idle:
             self.store.set(f"idle{self.e}", mark)
             self.idle = mark
@@ -262,8 +245,7 @@ class Rollout:
     def open(self, gid, problems, greedy, **group):
         n = len(problems)
         self.groups[gid] = {"problems": problems, "comps": [completion() for _ in problems],
-                            "prompts": [None] * n,  # (as given, token ids) an answer
-                            "left": n, "eval": greedy, **group}
+                            "prompts": [None] * n, "left": n, "eval": greedy, **group}
         for i, p in enumerate(problems):
             if self.task["env"]:  # its own environment; the prompt comes back from reset()
                 self.workers.start((gid, i), p["answer"])
@@ -283,11 +265,11 @@ class Rollout:
         prompt = {"prompt_token_ids": ids, "cache_salt": f"v{self.version}"}
         self.engine.add_request(rid, prompt, params, lora_request=self.adapter)
         self.spans[rid] = [(self.version, 0)]
-        self.in_vllm += not self.groups[gid]["eval"]
 
     def step(self):
         self.counters["rollout_steps"] += 1
-        self.counters["rollout_running"] += self.in_vllm / self.cfg["rollout_seqs"]
+        in_vllm = sum(rid.startswith("g") for rid in self.spans)  # training requests (g{pos}/...)
+        self.counters["rollout_running"] += in_vllm / self.cfg["rollout_seqs"]
         for out in self.engine.step():  # finished requests only
             gid, i, _turn = out.request_id.split("/")
             g, o, i = self.groups[gid], out.outputs[0], int(i)
@@ -297,8 +279,6 @@ class Rollout:
             c["text"] += said
             c["turns"] += 1
             c["cut"] = o.finish_reason == "length"
-            if not g["eval"]:
-                self.in_vllm -= 1
             if self.task["env"]:  # the whole turn, to its environment (the slot stays held)
                 self.workers.call((gid, i), said)
             else:  # its last turn: the slot is free as it is graded
@@ -313,8 +293,12 @@ class Rollout:
                 self.counters["reward_failed"] += fault
                 c["reward"] = 0.0 if fault else value
             elif fault:  # a raise, a hang, a wrong shape: this answer alone ends, at 0
-                self.fault(fault, value)
                 c["reward"] = 0.0
+                self.counters[f"env_{fault}s"] += 1  # counted; the first of each kind shown
+                if fault not in self.faults:
+                    self.faults[fault] = value
+                    print(f"{self.cfg['task']}: an environment call failed ({fault}; counted in "
+                          f"env_{fault}s, only the first is shown):\n{value}", file=sys.stderr)
             elif g["prompts"][i] is None:  # reset()'s prompt: the first turn
                 self.begin(gid, i, value, format_prompt(self.tok, value))
                 continue
@@ -325,17 +309,9 @@ class Rollout:
                     if self.go_on(gid, i, words):
                         continue
                 self.workers.end((gid, i))
-            self.end_answer(gid, i, fault)
+            self.end_answer(gid, g, fault)
 
-    def fault(self, kind, text):  # counted; the first of each kind shown; all failing: stop
-        self.counters[f"env_{kind}s"] += 1
-        if kind not in self.faults:
-            self.faults[kind] = text
-            print(f"{self.cfg['task']}: an environment call failed ({kind}; counted in env_{kind}s,"
-                  f" only the first is shown):\n{text}", file=sys.stderr)
-
-    def end_answer(self, gid, i, failed):
-        g = self.groups[gid]
+    def end_answer(self, gid, g, failed):
         if self.task["env"]:  # its slot is free (a graded answer's was at submit)
             self.holding -= not g["eval"]
         self.answers[0] += 1
@@ -352,9 +328,8 @@ class Rollout:
         g, c = self.groups[gid], self.groups[gid]["comps"][i]
         stop = self.task["stop"]
         if self.user_turn and not (stop and c["text"].endswith(stop)):  # as the user's turn
-            end = self.tok.decode(c["ids"][-1:])  # the model's end of turn, already its token
-            before, after = self.user_turn
-            words = (before[len(end):] if before.startswith(end) else before) + words + after
+            before, after = self.user_turn  # less the model's end of turn, already its token
+            words = before.removeprefix(self.tok.decode(c["ids"][-1:])) + words + after
         reply = self.tok.encode(words, add_special_tokens=False)
         room = self.cfg["max_new_tokens"] - len(c["ids"]) - len(reply)
         if room <= 0:
@@ -381,12 +356,11 @@ class Rollout:
                              f"{g['problems'][0]['answer']} {len(prompts)} prompts; a group "
                              "shares one: make the prompt depend on the seed alone")
         (prompt, ids), problem = g["prompts"][0], g["problems"][0]
-        msg = {"kind": "group",  # (or "eval", "bye")
-               "pos": g["pos"],  # its place in the shared stream: its id
-               "prompt": prompt,  # as the task gave it
-               "prompt_ids": ids,  # chat template applied
-               "completions": comps,  # group_size of completion()
-               "version_min": min(versions)}  # its staleness when trained
+        # kind (or "eval", "bye"); pos: its place in the shared stream, its id; prompt: as the
+        # task gave it; prompt_ids: chat template applied; completions: group_size of completion();
+        # version_min: its staleness when trained
+        msg = {"kind": "group", "pos": g["pos"], "prompt": prompt, "prompt_ids": ids,
+               "completions": comps, "version_min": min(versions)}
         if self.task["env"]:
             msg["seed"] = problem["answer"]
         if self.cfg["drop_flat"] and reward.is_flat(msg):  # skipped: start another
@@ -403,6 +377,9 @@ class Rollout:
 
 
 if __name__ == "__main__":
+    # multiprocessing's children (graders, environments) import the main module again, unless
+    # it has none: they need nothing of this file, and it would cost each an import of torch
+    sys.modules["__main__"] = types.ModuleType("__main__")
     reward.die_with_parent()  # rank 0 stops us between steps, or dies
     config = json.loads(sys.argv[1])
     if config["cores"]:  # rollout_cpus: see fleet.place()

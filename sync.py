@@ -14,19 +14,8 @@ engine (join, receive, load: the weights themselves). Rank 0's store keys (who w
   loaded{e}    engine / other engines: its version (budget.py's reserve)
   started, pos engines / engines: groups started (the budget), stream positions taken
   ctl{e}/, traj{e}/, wake{e}/, weights{e}/  the process groups' own keys (PrefixStore)"""
-import dataclasses
-import io
-import itertools
-import json
-import math
-import os
-import pickle
-import queue
-import socket
-import sys
-import tempfile
-import threading
-import time
+import dataclasses, io, itertools, json, math, os
+import pickle, queue, socket, sys, tempfile, threading, time
 from datetime import timedelta
 
 import torch
@@ -48,13 +37,9 @@ def open_store(host, port, master, timeout_s):
     stop or stall the run: see the README's Security paragraph."""
     try:
         listen = None
-        if master:
-            family, kind, proto, _, addr = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
-            sock = socket.socket(family, kind, proto)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(128)
-            listen = sock.detach()  # the store's from now on
+        if master:  # the address getaddrinfo resolves `host` to; create_server: reuse, bind, listen
+            family, _, _, _, addr = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
+            listen = socket.create_server(addr, family=family, backlog=128).detach()  # the store's
         return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout_s), master_listen_fd=listen)
     except (RuntimeError, OSError) as e:
@@ -188,6 +173,20 @@ def finish(work, check_alive=lambda: None):  # NCCL's wait() only gates a stream
     work.wait()  # raises its error
 
 
+def broadcast_copy(pg, flat, plan, stream=None, filled=None):
+    """Rank 0's flat copy into each receiver's, bucket by bucket, on `stream` (None: the current
+    one). Rank 0's stream first waits for the event `filled` (the snapshot's fill), so that NCCL
+    waits for the fill and not for whatever the trainer queued after it. The stream is the
+    caller's: streams come from a pool, and two sender threads sharing one would make an older
+    send wait for a newer fill. The works (they hold views of flat) go when this returns."""
+    with torch.cuda.stream(stream):
+        if filled:
+            stream.wait_event(filled)
+        works = [pg.broadcast(flat[o:o + n], 0) for o, n, _ in plan]
+    for work in works:
+        finish(work)
+
+
 # ---- the weights' layout and groups: rank 0 and each vLLM worker alike ----
 def plan(meta, dtype):  # [(name, shape)] -> buckets [(offset, numel, [(name, shape)])]
     buckets, o = [], 0
@@ -289,7 +288,7 @@ class Sender:
         if self.colocate:  # once every engine is ready (loaded the last): write, then tell
             for wake, _ in self.links:
                 finish(wake.allreduce([torch.zeros(1, dtype=torch.int64)]), check_alive)
-                wake.broadcast(torch.tensor([version]), 0).wait()
+                broadcast_version(wake, version)
             fill(self.copy, self.plan, tensors)
             for _, pg in self.links:
                 barrier(pg, self.device)  # all written
@@ -303,10 +302,9 @@ class Sender:
                 check_alive()
         snapshot = new_copy(self.plan, self.cfg, self.device)
         fill(snapshot, self.plan, tensors)
-        filled = None
-        if self.device.type == "cuda":  # a sender's stream waits for this, not for what follows
-            filled = torch.cuda.Event()
-            filled.record()
+        # a sender's stream waits for this event, not for what the trainer queues after it
+        cuda = self.device.type == "cuda"
+        filled = torch.cuda.current_stream().record_event() if cuda else None
         with self.cond:
             self.latest = (version, snapshot, filled)
             self.cond.notify_all()
@@ -330,14 +328,9 @@ class Sender:
                     self.cond.wait_for(lambda: self.latest)
                     sent, snapshot, filled = self.latest
                     self.sending[e] = sent
-                wake.broadcast(torch.tensor([sent]), 0).wait()
-                with torch.cuda.stream(stream):  # NCCL waits for the fill, not the next step
-                    if filled:
-                        stream.wait_event(filled)
-                    works = [pg.broadcast(snapshot[o:o + n], 0) for o, n, _ in self.plan]
-                for w in works:
-                    finish(w)
-                snapshot = works = w = None  # (w holds a view) now freeable
+                broadcast_version(wake, sent)
+                broadcast_copy(pg, snapshot, self.plan, stream, filled)
+                snapshot = None  # freeable now: at most two snapshots live
                 with self.cond:
                     del self.sending[e]
                     self.cond.notify_all()
@@ -407,17 +400,13 @@ def receive(w):
     """-> the version rank 0 sends next, once we said we are ready (we loaded the last). Its
     buckets: already in the copy (staged, colocated), or still to come (paused: buckets())."""
     w.wake.allreduce([torch.zeros(1, dtype=torch.int64)]).wait()  # ready
-    version = torch.zeros(1, dtype=torch.int64)
-    w.wake.broadcast(version, 0).wait()  # the newest rank 0 has now
+    version = broadcast_version(w.wake)  # the newest rank 0 has now
     if w.cfg["colocate"]:
         barrier(w.weights, w.device)  # the trainer wrote it
-    elif w.copy is not None:
+    elif w.copy is not None:  # on a stream of its own: one no vLLM kernel waits on
         stream = torch.cuda.Stream(w.device) if w.device.type == "cuda" else None
-        with torch.cuda.stream(stream):  # one no vLLM kernel waits on
-            works = [w.weights.broadcast(w.copy[o:o + n], 0) for o, n, _ in w.plan]
-        for work in works:
-            finish(work)
-    return int(version)
+        broadcast_copy(w.weights, w.copy, w.plan, stream)
+    return version
 
 
 def buckets(w):  # paused: a new tensor a bucket (vLLM may keep views) -> (name, weight)

@@ -6,12 +6,7 @@ batch, constant lr; no KL penalty or reference model (as DAPO); rank 0 alone tal
 Runs in every trainer rank that torchrun starts: the same file, top to bottom, on each, with
 `master` (rank 0) also owning the engines' end of every wire, the buffer, the log and the
 checkpoints. Rank 0 is the only rank that reads or writes files in out_dir."""
-import json
-import os
-import signal
-import sys
-import time
-import traceback
+import json, os, signal, sys, time, traceback
 from datetime import timedelta
 
 import torch
@@ -19,12 +14,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import buffer
-import configurator
+import buffer, configurator
 import loss as L
-import lora
-import metrics
-import sync
+import lora, metrics, sync
 from fleet import Fleet, kill, place, report_exits, spawn, store_host, watch
 
 # ---- config/*.py, then --key=value, override these defaults ----
@@ -77,11 +69,10 @@ resume = False  # continue exactly from {out_dir}/ckpt.pt
 lora_rank = 0  # > 0: train a LoRA adapter of this rank (lora.py), base frozen
 lora_alpha = 32  # the adapter's scale: lora_alpha / lora_rank
 lora_targets = "all-linear"  # PEFT's target_modules, or "q_proj,v_proj"
-config = configurator.apply(globals(), sys.argv[1:])
-given = dict(config)  # as the user wrote it (a hub id, not its cache folder): for checkpoints
-torchrun = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-for k, v in torchrun.items():
+# as the user wrote it (a hub id, not its cache folder): for checkpoints
+given = configurator.apply(globals(), sys.argv[1:])
+for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
     os.environ.setdefault(k, v)  # `python train.py`: one rank
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
@@ -89,7 +80,7 @@ local_rank = int(os.environ["LOCAL_RANK"])
 local_world = int(os.environ["LOCAL_WORLD_SIZE"])
 nodes = int(os.environ["GROUP_WORLD_SIZE"])
 master = rank == 0
-config = configurator.check(config, world)
+config = configurator.check(given, world)
 model = config["model"]  # a hub id is now a folder
 
 # ---- placement: a node's ranks take its first GPUs, its engines the next ----
@@ -127,8 +118,8 @@ def full_weights(dtype=dtype):
         yield name, p.detach().to(dtype).full_tensor()
 
 
-plan = sync.plan(  # each weight's place in the flat copies (sync.py)
-    [(name, p.shape) for name, p in trained], getattr(torch, rollout_dtype))
+# each weight's place in the flat copies (sync.py)
+plan = sync.plan([(name, p.shape) for name, p in trained], getattr(torch, rollout_dtype))
 push_bytes = sum(n for _, n, _ in plan) * getattr(torch, rollout_dtype).itemsize
 ckpt_path = f"{out_dir}/ckpt.pt"
 
@@ -197,19 +188,18 @@ def micro_batch(groups, step, n_tok):  # loss, backward -> its share of metrics.
     return metrics.token_sums(loss, bounded, logp, batch["behav"], batch["mask"], fresh)
 
 
-version = step = start
+step = start
 died = None  # rank 0: the error that named a dead engine
 try:
     if start > 0:  # resumed: checkpoint weights first
         push_weights(start)
-    for step in range(start, max_steps):
-        version = step
+    for step in range(start, max_steps):  # step k trains version k into k + 1
         # ---- 1. a batch: rank 0 takes it, deals it out ----
         msg = {}  # {"shares": groups a rank, "n_tok"} or {"stop": why}
         if master:
             try:  # the overlap, 1 of 2: generated as we trained the last
                 groups, seen, t_wait = fleet.buffer.get(
-                    version, batch_groups, fleet.check_alive, log.waiting)
+                    step, batch_groups, fleet.check_alive, log.waiting)
                 n_tok = sum(int(c["mask"].sum()) for g in groups for c in g["completions"])
                 msg = {"shares": buffer.deal(groups, world), "n_tok": n_tok}
             except buffer.Stopped as e:
@@ -223,8 +213,8 @@ try:
             # the engines are going: no rank may take their silence for a reason to exit
             # while a large checkpoint is written
             heartbeat.forget()
-            if ckpt_every and version > start:  # (nothing new: a re-run needs no --resume)
-                save_checkpoint(version)
+            if ckpt_every and step > start:  # (nothing new: a re-run needs no --resume)
+                save_checkpoint(step)
             if msg.get("failed"):
                 raise died if master else RuntimeError(msg["stop"])
             raise buffer.Stopped(msg["stop"])
@@ -239,7 +229,7 @@ try:
             policy.set_requires_gradient_sync(last)
             policy.set_reshard_after_backward(last)
             if borrow:  # every engine awaits the weights we train: its cores
-                idle = fleet.idle(version)
+                idle = fleet.idle(step)
                 torch.set_num_threads(threads + (borrow if idle else 0))
                 borrowed += idle
             sums += micro_batch(groups_i, step, msg["n_tok"])
@@ -308,8 +298,8 @@ except Exception as error:  # a signal, a stall (Stopped), an error: all ranks e
     elif master:
         print(f"stopped at step {step}: {error}" + (f"; {saved}" if saved else ""), file=sys.stderr)
         log.close(fleet.evals)  # a tracker's run ends finished
-    node = rank // local_world  # another node's engines that died are named there, once
-    report_exits(engines, node * rollout_engines, node)
+    # another node's engines that died are named there, once
+    report_exits(engines, rank // local_world, rollout_engines)
     kill(fleet.procs if master else engines)
     sys.stdout.flush()  # stderr: line-buffered
     # not sys.exit: tearing down groups whose threads wait on a peer hangs
