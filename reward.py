@@ -192,15 +192,25 @@ def confine():
             resource.setrlimit(getattr(resource, name), (limit, hard))
 
 
+def start_grader(grade, answer):
+    """A grader process begins: confined, then one untimed grade of an empty answer, so that the
+    imports a grader makes at its first call (math-verify's sympy, reasoning-gym: seconds on a
+    busy machine) are not counted against reward_timeout_s and fail the first real answers."""
+    confine()
+    if grade:
+        safely(grade, "", answer)
+
+
 class Workers:
     """pebble's processes run fn(text, answer) (fn a module's), each killed past timeout_s with its
-    process; poll() -> [(key, result, failed)]."""
+    process; poll() -> [(key, result, failed)]. grade, answer: the warm-up (start_grader)."""
 
-    def __init__(self, workers=2, timeout_s=5.0):
+    def __init__(self, workers=2, timeout_s=5.0, grade=None, answer=None):
         import pebble  # its workers ignore SIGINT, exit on SIGTERM: kills take no wait
         self.timeout_s = timeout_s
-        self.pool = pebble.ProcessPool(workers, initializer=confine,  # spawned: engine's threads
-                                       context=multiprocessing.get_context("spawn"))
+        self.pool = pebble.ProcessPool(  # spawned: the engine has threads
+            workers, initializer=start_grader, initargs=(grade, answer),
+            context=multiprocessing.get_context("spawn"))
         self.running = {}  # future -> key
 
     def submit(self, key, fn, text, answer):

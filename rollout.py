@@ -119,9 +119,10 @@ class Rollout:
         self.user_turn = user_turn(self.tok)
         self.faults = {}  # env fault kind -> first message, shown once
         self.answers = [0, 0]  # ended, of them failed: a broken environment fails fast
-        timeout = self.cfg["reward_timeout_s"]  # its processes, or the graders'
-        self.workers = (env.Envs(self.task["env"], timeout) if self.task["env"]
-                        else reward.Workers(self.cfg["grader_workers"], timeout))
+        timeout = self.cfg["reward_timeout_s"]  # its processes, or the graders' (each warmed up
+        first = self.task["train"][0]["answer"]  # on the first problem's answer)
+        self.workers = (env.Envs(self.task["env"], timeout) if self.task["env"] else reward.Workers(
+            self.cfg["grader_workers"], timeout, self.task["grade"], first))
         ends = stop_settings(self.tok, self.task["stop"])
         self.params = lambda greedy, room: SamplingParams(  # finished turns only
             temperature=0.0 if greedy else self.cfg["temperature"], max_tokens=room, n=1,
@@ -355,14 +356,16 @@ class Rollout:
             raise ValueError(f"{self.cfg['task']}: reset() gave the {len(comps)} answers of seed "
                              f"{g['problems'][0]['answer']} {len(prompts)} prompts; a group "
                              "shares one: make the prompt depend on the seed alone")
-        (prompt, ids), problem = g["prompts"][0], g["problems"][0]
-        # kind (or "eval", "bye"); pos: its place in the shared stream, its id; prompt: as the
-        # task gave it; prompt_ids: chat template applied; completions: group_size of completion();
-        # version_min: its staleness when trained
-        msg = {"kind": "group", "pos": g["pos"], "prompt": prompt, "prompt_ids": ids,
-               "completions": comps, "version_min": min(versions)}
+        prompt, ids = g["prompts"][0]
+        # the record that travels to rank 0, read by buffer.py, loss.py, metrics.py and train.py
+        msg = {"kind": "group",  # (or "eval", "bye")
+               "pos": g["pos"],  # its place in the shared stream: its id
+               "prompt": prompt,  # as the task gave it
+               "prompt_ids": ids,  # chat template applied
+               "completions": comps,  # group_size of completion()
+               "version_min": min(versions)}  # its staleness when trained
         if self.task["env"]:
-            msg["seed"] = problem["answer"]
+            msg["seed"] = g["problems"][0]["answer"]
         if self.cfg["drop_flat"] and reward.is_flat(msg):  # skipped: start another
             self.budget.give_back()
         self.counters["rollout_tokens"] += sum(sum(c["mask"]) for c in comps)  # generated
